@@ -1,0 +1,15 @@
+"""Process groups and collectives over explicit groups (the bottom layer)."""
+
+from terascale.comm.buckets import GradientBuckets, ReducePolicy
+from terascale.comm.collectives import all_reduce_flag, broadcast_tensors
+from terascale.comm.groups import DistributedContext, ModelParallelUnit, init_distributed
+
+__all__ = [
+    "DistributedContext",
+    "GradientBuckets",
+    "ModelParallelUnit",
+    "ReducePolicy",
+    "all_reduce_flag",
+    "broadcast_tensors",
+    "init_distributed",
+]

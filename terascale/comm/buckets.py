@@ -1,0 +1,225 @@
+"""Gradient buckets: average gradients over the data-parallel group during backward.
+
+[Note: gradient buckets]
+Every trainable parameter owns a slice of one flat accumulation buffer (``accum_dtype``,
+fp32 by default, so bf16/fp16 micro-step gradients accumulate without rounding). The
+buffer is cut into buckets of about ``bucket_numel`` elements, in reverse parameter
+order because backward visits parameters roughly last-to-first. A post-accumulate-grad
+hook adds each fresh ``param.grad`` into its slice and frees ``param.grad`` at once, so
+low-precision gradients never pile up across micro-steps.
+
+On a synchronising micro-step (the last one of an accumulation window) a bucket is
+all-reduced asynchronously as soon as all of its parameters have reported, overlapping
+the rest of backward. Buckets are launched strictly in index order on every rank, even
+if they fill out of order, so the collectives always match across ranks. Each bucket
+ends with one "used" flag per parameter that is summed with the gradients: a parameter
+that received no gradient on any rank (e.g. a branch not taken this step) gets ``None``
+instead of a zero gradient, exactly as in single-process PyTorch, and costs no extra
+collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+
+@dataclass(frozen=True)
+class ReducePolicy:
+    """How gradients are accumulated and averaged (DeepSpeed's knobs)."""
+
+    bucket_numel: int = 500_000_000  # DeepSpeed's reduce_bucket_size default
+    accum_dtype: torch.dtype = torch.float32
+    comm_dtype: torch.dtype | None = None  # None: communicate in accum_dtype
+    prescale: bool = False  # divide by the world size before the all-reduce
+    predivide_factor: float = 1.0  # with prescale off: divide by this before, by world/this after
+
+
+@dataclass
+class _Bucket:
+    param_indices: list[int]
+    flat: torch.Tensor  # [grads of its params..., one used-flag per param]
+    grad_numel: int
+    pending: int = 0
+    launched: bool = False
+    work: dist.Work | None = None
+    comm_buffer: torch.Tensor | None = None
+    ready: bool = field(default=False)
+
+
+class GradientBuckets:
+    """Accumulates ``params``' gradients into flat buckets and averages them over ``group``.
+
+    After :meth:`finish`, :meth:`grad` returns each parameter's gradient averaged over the
+    ranks of ``group`` (summed over micro-steps), a view into the flat buffer.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        group: ProcessGroup,
+        policy: ReducePolicy,
+        device: torch.device,
+    ) -> None:
+        assert len(params) == len(names)
+        self._params = list(params)
+        self._names = list(names)
+        self._group = group
+        self._world = dist.get_world_size(group)
+        self._policy = policy
+        self._sync = True
+
+        # Assign parameters (last first) to buckets, then lay buckets out contiguously.
+        layout: list[list[int]] = []
+        numel = 0
+        for i in reversed(range(len(self._params))):
+            n = self._params[i].numel()
+            if layout and numel + n <= policy.bucket_numel:
+                layout[-1].append(i)
+                numel += n
+            else:
+                layout.append([i])
+                numel = n
+        total = sum(p.numel() for p in self._params) + len(self._params)
+        self._buffer = torch.zeros(total, dtype=policy.accum_dtype, device=device)
+        self._grads: list[torch.Tensor] = [torch.empty(0)] * len(self._params)
+        self._flags: list[torch.Tensor] = [torch.empty(0)] * len(self._params)
+        self._bucket_of: list[int] = [0] * len(self._params)
+        self._buckets: list[_Bucket] = []
+        offset = 0
+        for b, indices in enumerate(layout):
+            grad_numel = sum(self._params[i].numel() for i in indices)
+            flat = self._buffer[offset : offset + grad_numel + len(indices)]
+            offset += flat.numel()
+            pos = 0
+            for k, i in enumerate(indices):
+                n = self._params[i].numel()
+                self._grads[i] = flat[pos : pos + n].view(self._params[i].shape)
+                self._flags[i] = flat[grad_numel + k : grad_numel + k + 1]
+                self._bucket_of[i] = b
+                pos += n
+            self._buckets.append(_Bucket(indices, flat, grad_numel, pending=len(indices)))
+        self._next_launch = 0
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)
+        ]
+
+    # -- micro-step protocol -------------------------------------------------------------
+
+    def prepare_backward(self, sync: bool) -> None:
+        """Declare whether the coming backward ends an accumulation window (and so reduces)."""
+        self._sync = sync
+
+    def finish(self) -> None:
+        """Reduce what is still unreduced, wait for every bucket and average the gradients.
+
+        Called at the accumulation boundary. Buckets whose parameters did not all receive
+        gradients (unused parameters) are launched here, still in index order.
+        """
+        for bucket in self._buckets:
+            bucket.ready = True
+        self._launch_ready()
+        for bucket in self._buckets:
+            self._complete(bucket)
+
+    def grad(self, index: int) -> torch.Tensor | None:
+        """Parameter ``index``'s averaged gradient, or None if no rank produced one."""
+        return self._grads[index] if self._flags[index].item() > 0 else None
+
+    def grads(self) -> list[torch.Tensor | None]:
+        """All averaged gradients (see :meth:`grad`), read with one device-to-host copy."""
+        used = torch.cat(self._flags).cpu().tolist() if self._flags else []
+        return [g if u > 0 else None for g, u in zip(self._grads, used)]
+
+    def zero_(self) -> None:
+        """Start a new accumulation window."""
+        self._buffer.zero_()
+        for bucket in self._buckets:
+            bucket.pending = len(bucket.param_indices)
+            bucket.launched = bucket.ready = False
+            bucket.work = bucket.comm_buffer = None
+        self._next_launch = 0
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _make_hook(self, index: int):
+        def hook(param: torch.Tensor) -> None:
+            self._accumulate(index, param)
+
+        return hook
+
+    def _accumulate(self, index: int, param: torch.Tensor) -> None:
+        grad = param.grad
+        assert grad is not None
+        if grad.is_sparse:
+            raise ValueError(
+                f"parameter '{self._names[index]}' produced a sparse gradient; sparse gradients "
+                "are not supported by this version of terascale (use a dense embedding)"
+            )
+        bucket = self._buckets[self._bucket_of[index]]
+        if bucket.launched:
+            raise RuntimeError(
+                f"parameter '{self._names[index]}' received a gradient after its bucket was "
+                "already reduced in this backward. This happens when backward runs through the "
+                "same parameter twice (e.g. reentrant activation checkpointing or two backward "
+                "calls in one micro-step); use torch.utils.checkpoint(..., use_reentrant=False) "
+                "or sum the losses before calling engine.backward."
+            )
+        with torch.no_grad():
+            self._grads[index].add_(grad)
+            self._flags[index].fill_(1)
+        param.grad = None
+        if self._sync:
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                bucket.ready = True
+                self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].ready:
+            self._launch(self._buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        policy = self._policy
+        grads = bucket.flat[: bucket.grad_numel]
+        if self._world > 1:
+            if policy.prescale:
+                grads.mul_(1.0 / self._world)
+            elif policy.predivide_factor != 1.0:
+                grads.mul_(1.0 / policy.predivide_factor)
+        tensor = bucket.flat
+        if policy.comm_dtype is not None and policy.comm_dtype != tensor.dtype:
+            bucket.comm_buffer = tensor = tensor.to(policy.comm_dtype)
+        bucket.launched = True
+        if self._world > 1:
+            bucket.work = dist.all_reduce(tensor, group=self._group, async_op=True)
+
+    def _complete(self, bucket: _Bucket) -> None:
+        assert bucket.launched
+        if bucket.work is not None:
+            bucket.work.wait()
+            bucket.work = None
+        if bucket.comm_buffer is not None:
+            bucket.flat.copy_(bucket.comm_buffer)
+            bucket.comm_buffer = None
+        policy = self._policy
+        if self._world > 1 and not policy.prescale:
+            post = policy.predivide_factor / self._world
+            if post != 1.0:
+                bucket.flat[: bucket.grad_numel].mul_(post)

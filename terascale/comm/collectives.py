@@ -1,0 +1,59 @@
+"""Collectives as plain functions over an explicit process group."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed import ProcessGroup
+
+# Broadcast in chunks so start-up never needs a second copy of the whole model.
+_BROADCAST_BUCKET_BYTES = 64 * 1024 * 1024
+
+
+def broadcast_tensors(tensors: Sequence[torch.Tensor], group: ProcessGroup, src_group_rank: int = 0) -> None:
+    """Overwrite ``tensors`` on every rank of ``group`` with ``src_group_rank``'s values.
+
+    Tensors are coalesced by dtype into flat buckets of at most 64 MiB, so a model of many
+    small parameters costs a few collectives rather than one per tensor.
+    """
+    if dist.get_world_size(group) == 1:
+        return
+    src = dist.get_global_rank(group, src_group_rank)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same_dtype in by_dtype.values():
+        for bucket in _chunks(same_dtype, _BROADCAST_BUCKET_BYTES):
+            flat = _flatten_dense_tensors([t.detach() for t in bucket])
+            dist.broadcast(flat, src=src, group=group)
+            with torch.no_grad():
+                for dst, val in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                    dst.copy_(val)
+
+
+def _chunks(tensors: list[torch.Tensor], max_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive runs of ``tensors`` of at most ``max_bytes`` (a larger tensor is alone)."""
+    bucket: list[torch.Tensor] = []
+    nbytes = 0
+    for t in tensors:
+        size = t.numel() * t.element_size()
+        if bucket and nbytes + size > max_bytes:
+            yield bucket
+            bucket, nbytes = [], 0
+        bucket.append(t)
+        nbytes += size
+    if bucket:
+        yield bucket
+
+
+def all_reduce_flag(flag: bool | torch.Tensor, group: ProcessGroup, device: torch.device) -> bool:
+    """True on every rank of ``group`` if ``flag`` is true on any rank (logical OR)."""
+    t = flag.to(device=device, dtype=torch.float32).reshape(1) if isinstance(flag, torch.Tensor) else torch.tensor(
+        [1.0 if flag else 0.0], device=device
+    )
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item() > 0)

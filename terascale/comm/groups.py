@@ -1,0 +1,120 @@
+"""Process-group set-up: from torchrun's environment, or one process with none.
+
+terascale never relies on an implicit "current group" deeper than this module: the
+engine receives a :class:`DistributedContext` and passes its ``dp_group`` explicitly to
+every collective. Model parallelism plugs in through an ``mpu`` object (Megatron's
+convention, which DeepSpeed also accepts) that owns the data-parallel group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+@runtime_checkable
+class ModelParallelUnit(Protocol):
+    """What terascale needs from a model-parallel unit (``mpu``).
+
+    Any object with these methods works (Megatron's ``mpu`` module does). The
+    data-parallel group is the one ZeRO shards over and gradients are averaged over.
+    """
+
+    def get_data_parallel_group(self) -> ProcessGroup: ...
+
+    def get_model_parallel_group(self) -> ProcessGroup: ...
+
+    def get_data_parallel_world_size(self) -> int: ...
+
+    def get_data_parallel_rank(self) -> int: ...
+
+    def get_model_parallel_world_size(self) -> int: ...
+
+    def get_model_parallel_rank(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """Where this process sits: its device and the groups it talks over."""
+
+    device: torch.device
+    backend: str
+    rank: int  # global rank
+    world_size: int  # global world size
+    local_rank: int
+    dp_group: ProcessGroup
+    dp_rank: int
+    dp_world_size: int
+    mp_group: ProcessGroup | None = None
+    mp_world_size: int = 1
+
+
+def _default_backend(device_type: str) -> str:
+    if device_type == "cuda" and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def init_distributed(
+    mpu: ModelParallelUnit | None = None,
+    *,
+    backend: str | None = None,
+    device: torch.device | str | None = None,
+    timeout: datetime.timedelta | None = None,
+) -> DistributedContext:
+    """Join (or create) the default process group and describe this rank.
+
+    Under torchrun (``RANK``/``WORLD_SIZE`` set) this initialises the default group from
+    the environment; with no environment it creates a one-process group, so the rest of
+    terascale always has a real group to pass to collectives. An already-initialised
+    default group is reused as is. The device is ``cuda:LOCAL_RANK`` when CUDA is
+    available, else the CPU; ``device`` overrides it.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+
+    if not dist.is_initialized():
+        backend = backend or _default_backend(device.type)
+        kwargs = {"timeout": timeout} if timeout is not None else {}
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend=backend, init_method="env://", **kwargs)
+        else:
+            # A private in-memory store: a single process needs no rendezvous.
+            dist.init_process_group(
+                backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs
+            )
+    backend = str(dist.get_backend())
+
+    if mpu is not None:
+        dp_group = mpu.get_data_parallel_group()
+        mp_group = mpu.get_model_parallel_group()
+        mp_world_size = mpu.get_model_parallel_world_size()
+    else:
+        dp_group = dist.group.WORLD
+        mp_group = None
+        mp_world_size = 1
+    assert dp_group is not None
+    return DistributedContext(
+        device=device,
+        backend=backend,
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        dp_group=dp_group,
+        dp_rank=dist.get_rank(dp_group),
+        dp_world_size=dist.get_world_size(dp_group),
+        mp_group=mp_group,
+        mp_world_size=mp_world_size,
+    )

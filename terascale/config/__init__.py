@@ -1,0 +1,13 @@
+"""Typed, DeepSpeed-compatible training config.
+
+``Config.load(path_or_dict)`` validates a ds_config.json-style config, reporting every
+problem at once with key paths and suggestions; ``cfg.require_built()`` refuses settings
+that ask for features this version does not provide yet.
+"""
+
+from terascale.config.args import add_config_arguments
+from terascale.config.batch import BatchSizes
+from terascale.config.errors import ConfigError
+from terascale.config.schema import Config
+
+__all__ = ["BatchSizes", "Config", "ConfigError", "add_config_arguments"]

@@ -1,0 +1,418 @@
+"""The whole training config as one typed pydantic model, DeepSpeed-compatible.
+
+An existing ``ds_config.json`` loads unchanged: every top-level key DeepSpeed reads is a
+field here, with DeepSpeed's name, alias and default. Sections terascale acts on are typed
+models (``cfg.fp16.enabled``, ``cfg.zero_optimization.offload_optimizer.device``); sections
+it only has to recognise are kept as plain dicts. Loading validates everything and reports
+all problems in one :class:`ConfigError`; :meth:`Config.require_built` then refuses any
+setting that asks for a feature this version does not provide.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
+
+from terascale.config.batch import BatchSizes, resolve_batch_sizes
+from terascale.config.errors import ConfigError, from_validation_error
+from terascale.config.section import TORCH_DTYPES, DtypeName, Section, normalize_dtype_name
+from terascale.config.zero import AioConfig, ZeroConfig
+
+LooseSection = dict[str, Any] | None
+
+_BOTH_PRECISIONS = "fp16.enabled and bf16.enabled are both true; enable at most one of them"
+
+
+def _both_precisions_raw(data: dict[str, Any]) -> bool:
+    def enabled(section: Any) -> bool:
+        return isinstance(section, dict) and section.get("enabled") is True
+
+    bf16 = data.get("bf16", data.get("bfloat16"))
+    return enabled(data.get("fp16")) and enabled(bf16)
+
+
+class Fp16Config(Section):
+    """``fp16``: fp16 mixed precision with static (``loss_scale`` > 0) or dynamic loss scaling."""
+
+    enabled: bool = False
+    auto_cast: bool = False
+    loss_scale: float = Field(0.0, ge=0.0)
+    initial_scale_power: int = Field(16, ge=0)
+    loss_scale_window: int = Field(1000, gt=0)
+    hysteresis: int = Field(2, ge=1)
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = Field(1.0, gt=0.0)
+    fp16_master_weights_and_grads: bool = False
+    # Older DeepSpeed configs carry this; it selected a fused optimizer wrapper and has no
+    # effect on the arithmetic, so it is accepted and not acted on.
+    fused_mode: bool = True
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """True when the loss scale adapts to overflows (``loss_scale`` is 0)."""
+        return self.loss_scale == 0.0
+
+    @property
+    def initial_dynamic_scale(self) -> float:
+        """The first loss scale of dynamic scaling: 2 ** ``initial_scale_power``."""
+        return float(2**self.initial_scale_power)
+
+
+class Bf16Config(Section):
+    """``bf16`` (alias ``bfloat16``): bf16 mixed precision, no loss scaling."""
+
+    enabled: bool = False
+    immediate_grad_update: bool = False
+    check_grad_overflow: bool = False
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
+
+
+class OptimizerConfig(Section):
+    """``optimizer``: a name the optimizer factory resolves, and its keyword arguments."""
+
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+    legacy_fusion: bool = False
+
+
+class SchedulerConfig(Section):
+    """``scheduler``: a name the scheduler factory resolves, and its keyword arguments."""
+
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class ActivationCheckpointingConfig(Section):
+    """``activation_checkpointing``: options of DeepSpeed's activation checkpointing API."""
+
+    partition_activations: bool = False
+    contiguous_memory_optimization: bool = False
+    cpu_checkpointing: bool = False
+    number_checkpoints: int | None = Field(None, gt=0)
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
+class FlopsProfilerConfig(Section):
+    """``flops_profiler``: per-module FLOPs/latency report at one step."""
+
+    enabled: bool = False
+    recompute_fwd_factor: float = Field(0.0, ge=0.0)
+    profile_step: int = Field(1, ge=1)
+    module_depth: int = -1
+    top_modules: int = Field(1, ge=1)
+    detailed: bool = True
+    output_file: str | None = None
+
+
+class TensorBoardConfig(Section):
+    """``tensorboard``: scalar logging with ``torch.utils.tensorboard``."""
+
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+class CsvMonitorConfig(Section):
+    """``csv_monitor``: scalar logging to one CSV file per metric."""
+
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+class WandbConfig(Section):
+    """``wandb``: scalar logging to Weights & Biases."""
+
+    enabled: bool = False
+    group: str | None = None
+    team: str | None = None
+    project: str = "deepspeed"
+
+
+class ParallelWriteConfig(Section):
+    """``checkpoint.parallel_write``."""
+
+    pipeline_stage: bool = False
+
+
+class CheckpointConfig(Section):
+    """``checkpoint``: DeepSpeed's checkpoint keys plus terascale's retention and async save."""
+
+    tag_validation: Literal["WARN", "IGNORE", "FAIL"] = "WARN"
+    load_universal: bool = False
+    use_node_local_storage: bool = False
+    parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
+    checkpoint_serialization: bool = True
+    writer: LooseSection = None
+    keep_last_n: int | None = Field(None, ge=1)
+    async_save: bool = Field(False, alias="async")
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        # DeepSpeed documents "Ignore"/"Warn"/"Fail" and compares upper-cased.
+        if isinstance(value, str) and value.upper() in ("WARN", "IGNORE", "FAIL"):
+            return value.upper()
+        raise ValueError(f"expected one of 'Warn', 'Ignore', 'Fail', got {value!r}")
+
+
+class DataTypesConfig(Section):
+    """``data_types``: dtypes of buffers the engine keeps (None = DeepSpeed's default)."""
+
+    grad_accum_dtype: DtypeName | None = None
+    param_dtype: DtypeName | None = None
+    buffer_dtype: DtypeName | None = None
+
+    @field_validator("grad_accum_dtype", "param_dtype", "buffer_dtype", mode="before")
+    @classmethod
+    def _dtype(cls, value: Any) -> Any:
+        return normalize_dtype_name(value)
+
+
+class Config(Section):
+    """A training config; see the module docstring. Build one with :meth:`Config.load`."""
+
+    # Batch triplet: resolved against the data-parallel world size by resolve_batch().
+    train_batch_size: int | None = Field(None, gt=0)
+    train_micro_batch_size_per_gpu: int | None = Field(None, gt=0)
+    gradient_accumulation_steps: int | None = Field(None, gt=0)
+
+    gradient_clipping: float = Field(0.0, ge=0.0)
+    steps_per_print: int | None = Field(10, ge=1)
+    wall_clock_breakdown: bool = False
+    memory_breakdown: bool = False
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = Field(1.0, gt=0.0)
+    sparse_gradients: bool = False
+    communication_data_type: DtypeName | None = None
+    seq_parallel_communication_data_type: DtypeName = Field(
+        "fp32", alias="seq_parallel_comm_data_type"
+    )
+
+    fp16: Fp16Config = Field(default_factory=Fp16Config)
+    bf16: Bf16Config = Field(
+        default_factory=Bf16Config, validation_alias=AliasChoices("bf16", "bfloat16")
+    )
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    zero_allow_untested_optimizer: bool = False
+    zero_force_ds_cpu_optimizer: bool = True
+
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    aio: AioConfig = Field(default_factory=AioConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig
+    )
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+    # Recognised so DeepSpeed configs load; their inner keys are not modelled, and
+    # features.py refuses any that switch something on.
+    comet: LooseSection = None
+    trackio: LooseSection = None
+    comms_logger: LooseSection = None
+    timers: LooseSection = None
+    amp: LooseSection = None
+    torch_autocast: LooseSection = None
+    elasticity: LooseSection = None
+    autotuning: LooseSection = None
+    pipeline: LooseSection = None
+    compression_training: LooseSection = None
+    data_efficiency: LooseSection = None
+    curriculum_learning: LooseSection = None
+    progressive_layer_drop: LooseSection = None
+    eigenvalue: LooseSection = None
+    quantize_training: LooseSection = None
+    sparse_attention: LooseSection = None
+    hybrid_engine: LooseSection = None
+    nebula: LooseSection = None
+    datastates: LooseSection = None
+    compile: LooseSection = None
+    tensor_parallel: LooseSection = None
+    expert_parallel: LooseSection = None
+    weight_quantization: LooseSection = None
+
+    dump_state: bool = False
+    disable_allgather: bool = False
+    graph_harvesting: bool = False
+    dataloader_drop_last: bool = False
+    vocabulary_size: int | None = Field(None, gt=0)
+    use_data_before_expert_parallelism: bool = False
+    sequence_parallel_size: int = Field(1, ge=1)
+
+    @field_validator("communication_data_type", mode="before")
+    @classmethod
+    def _comm_dtype(cls, value: Any) -> Any:
+        return normalize_dtype_name(value)
+
+    @field_validator("seq_parallel_communication_data_type", mode="before")
+    @classmethod
+    def _seq_comm_dtype(cls, value: Any) -> Any:
+        return normalize_dtype_name(value, allow_none=False)
+
+    @field_validator("zero_optimization", mode="before")
+    @classmethod
+    def _legacy_zero_bool(cls, value: Any) -> Any:
+        # DeepSpeed's oldest format: "zero_optimization": true means stage 1.
+        if isinstance(value, bool):
+            return {"stage": 1 if value else 0}
+        return value
+
+    @model_validator(mode="after")
+    def _one_precision(self) -> Config:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError(_BOTH_PRECISIONS)
+        return self
+
+    # ---- loading -------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, source: Config | Mapping[str, Any] | str | os.PathLike[str]) -> Config:
+        """Validate ``source`` into a Config.
+
+        ``source`` is a Config (returned as is), a dict, a path to a JSON file, a JSON
+        string, or base64-encoded JSON (what DeepSpeed's launcher passes). Raises
+        ConfigError listing every problem, each with its full key path.
+        """
+        if isinstance(source, Config):
+            return source
+        label: str | None = None
+        if isinstance(source, Mapping):
+            data: Any = dict(source)
+        elif isinstance(source, os.PathLike):
+            label = os.fspath(source)
+            data = _read_json_file(Path(source))
+        elif isinstance(source, str):
+            data, label = _parse_string(source)
+        else:
+            raise ConfigError(
+                f"expected a path, a dict, a JSON string or a Config, got {type(source).__name__}"
+            )
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"the top level must be a JSON object, got {type(data).__name__}", source=label
+            )
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            # pydantic skips whole-model checks when a field fails; run the one that matters
+            # on the raw dict so the user still sees every problem in one pass.
+            extra = [_BOTH_PRECISIONS] if _both_precisions_raw(data) else []
+            raise from_validation_error(cls, err, source=label, extra=extra) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as a JSON-ready dict with DeepSpeed's key names (aliases)."""
+        return self.model_dump(mode="json", by_alias=True)
+
+    # ---- derived values ------------------------------------------------------------
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """dtype of forward/backward compute: fp16 or bf16 when enabled, else fp32."""
+        if self.fp16.enabled:
+            return torch.float16
+        if self.bf16.enabled:
+            return torch.bfloat16
+        return torch.float32
+
+    @property
+    def grad_accum_dtype(self) -> torch.dtype:
+        """dtype gradients accumulate in across micro-steps (``data_types``; default fp32)."""
+        return TORCH_DTYPES[self.data_types.grad_accum_dtype or "fp32"]
+
+    @property
+    def communication_dtype(self) -> torch.dtype | None:
+        """dtype gradients are reduced in, or None to reduce in the gradients' own dtype."""
+        if self.communication_data_type is None:
+            return None
+        return TORCH_DTYPES[self.communication_data_type]
+
+    def resolve_batch(self, world_size: int) -> BatchSizes:
+        """The batch triplet for ``world_size`` data-parallel ranks (DeepSpeed's rules).
+
+        Raises ConfigError showing the arithmetic when the values disagree or don't divide.
+        """
+        return resolve_batch_sizes(
+            self.train_batch_size,
+            self.train_micro_batch_size_per_gpu,
+            self.gradient_accumulation_steps,
+            world_size,
+        )
+
+    def unbuilt_settings(self) -> list[str]:
+        """One line per setting that asks for a feature this version does not provide."""
+        from terascale.config.features import unbuilt_settings
+
+        return unbuilt_settings(self)
+
+    def require_built(self) -> Config:
+        """Raise ConfigError listing every setting that asks for an unbuilt feature.
+
+        Returns ``self`` so a caller can write ``cfg = Config.load(src).require_built()``.
+        """
+        problems = self.unbuilt_settings()
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+
+def _duplicate_keys_refused(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json keeps the last of two equal keys; a user who wrote both meant one of them,
+    # so refuse rather than guess (DeepSpeed refuses too).
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ConfigError(f"{key}: given twice in the same JSON object; keep one")
+        out[key] = value
+    return out
+
+
+def _loads(text: str, label: str | None) -> Any:
+    try:
+        return json.loads(text, object_pairs_hook=_duplicate_keys_refused)
+    except json.JSONDecodeError as err:
+        raise ConfigError(
+            f"not valid JSON: {err.msg} at line {err.lineno} column {err.colno}", source=label
+        ) from None
+    except ConfigError as err:
+        raise ConfigError(err.problems, source=label) from None
+
+
+def _read_json_file(path: Path) -> Any:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    return _loads(path.read_text(encoding="utf-8"), str(path))
+
+
+def _parse_string(text: str) -> tuple[Any, str | None]:
+    """Parse a JSON string, a path to a JSON file, or base64 JSON; return (data, label)."""
+    stripped = text.strip()
+    if stripped.startswith("{"):
+        return _loads(stripped, None), None
+    if os.path.exists(text):
+        return _read_json_file(Path(text)), text
+    try:
+        decoded = base64.urlsafe_b64decode(stripped.encode("ascii")).decode("utf-8")
+    except (binascii.Error, UnicodeError, ValueError):
+        decoded = ""
+    if decoded.strip().startswith("{"):
+        return _loads(decoded, "base64 config"), "base64 config"
+    raise ConfigError(
+        f"config file {text!r} does not exist (and the string is not JSON or base64 JSON)"
+    )

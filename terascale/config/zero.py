@@ -1,0 +1,174 @@
+"""The ``zero_optimization``, offload and ``aio`` sections, with DeepSpeed's keys and defaults.
+
+Field names follow DeepSpeed's ``DeepSpeedZeroConfig`` (``max_live_parameters`` with the JSON
+alias ``stage3_max_live_parameters``, ...), so either spelling loads. Which of these settings
+terascale can act on yet is decided in :mod:`terascale.config.features`, not here.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import AliasChoices, Field, field_validator, model_validator
+
+from terascale.config.section import Section
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+class OffloadParamConfig(Section):
+    """``zero_optimization.offload_param``: where stage-3 parameter shards live between uses."""
+
+    device: OffloadDevice = "none"
+    nvme_path: Path | None = None
+    buffer_count: int = Field(5, ge=0)
+    buffer_size: int = Field(100_000_000, ge=0)
+    max_in_cpu: int = Field(1_000_000_000, ge=0)
+    pin_memory: bool = False
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self) -> OffloadParamConfig:
+        if self.device == "nvme" and self.nvme_path is None:
+            raise ValueError("nvme_path is required when device is 'nvme'; set it to a directory")
+        return self
+
+
+class OffloadOptimizerConfig(Section):
+    """``zero_optimization.offload_optimizer``: where optimizer state lives and steps."""
+
+    device: OffloadDevice = "none"
+    nvme_path: Path | None = None
+    buffer_count: int = Field(4, ge=0)
+    pin_memory: bool = False
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    fast_init: bool = False
+    ratio: float = Field(1.0, ge=0.0, le=1.0)
+    super_offload: bool = False
+    convert_grad_on_cpu: bool = True
+    cpuadam_cores_perc: float = Field(0.8, ge=0.0, le=1.0)
+
+    @property
+    def pipeline(self) -> bool:
+        """True when NVMe reads or writes of neighbouring tiles overlap the optimizer step."""
+        return self.pipeline_read or self.pipeline_write
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self) -> OffloadOptimizerConfig:
+        if self.device == "nvme" and self.nvme_path is None:
+            raise ValueError("nvme_path is required when device is 'nvme'; set it to a directory")
+        return self
+
+
+class ZeroConfig(Section):
+    """``zero_optimization``: sharding stage, bucket sizes, stage-3 knobs, offload, ZeRO++."""
+
+    stage: int = 0
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    reduce_bucket_size: int = Field(500_000_000, ge=0)
+    use_multi_rank_bucket_allreduce: bool = True
+    allgather_partitions: bool = True
+    allgather_bucket_size: int = Field(500_000_000, ge=0)
+    # DeepSpeed's default depends on the stage (on for 3, off otherwise); filled in below.
+    overlap_comm: bool = False
+    load_from_fp32_weights: bool = True
+    elastic_checkpoint: bool = False
+    offload_param: OffloadParamConfig | None = None
+    offload_optimizer: OffloadOptimizerConfig | None = None
+    zenflow: dict[str, Any] | None = None
+    sub_group_size: int = Field(1_000_000_000, ge=0)
+
+    # Deprecated DeepSpeed spellings of offload; translated into offload_* below.
+    cpu_offload: bool | None = None
+    cpu_offload_param: bool | None = None
+    cpu_offload_use_pin_memory: bool | None = None
+
+    prefetch_bucket_size: int = Field(50_000_000, ge=0, alias="stage3_prefetch_bucket_size")
+    param_persistence_threshold: int = Field(
+        100_000, ge=0, alias="stage3_param_persistence_threshold"
+    )
+    model_persistence_threshold: int = Field(
+        sys.maxsize, ge=0, alias="stage3_model_persistence_threshold"
+    )
+    max_live_parameters: int = Field(1_000_000_000, ge=0, alias="stage3_max_live_parameters")
+    max_reuse_distance: int = Field(1_000_000_000, ge=0, alias="stage3_max_reuse_distance")
+    gather_16bit_weights_on_model_save: bool = Field(
+        False,
+        validation_alias=AliasChoices(
+            "gather_16bit_weights_on_model_save",
+            "stage3_gather_16bit_weights_on_model_save",
+            "stage3_gather_fp16_weights_on_model_save",
+        ),
+    )
+    module_granularity_threshold: int = Field(0, alias="stage3_module_granularity_threshold")
+    use_all_reduce_for_fetch_params: bool = Field(
+        False, alias="stage3_use_all_reduce_for_fetch_params"
+    )
+    allgather_sequential: bool = Field(False, alias="stage3_allgather_sequential")
+    partition_stream_chunk_size: int = Field(0, ge=0, alias="stage3_partition_stream_chunk_size")
+
+    ignore_unused_parameters: bool = True
+    legacy_stage1: bool = False
+    round_robin_gradients: bool = False
+    zero_hpz_partition_size: int = Field(1, ge=0)
+    zero_quantized_weights: bool = False
+    zero_quantized_nontrainable_weights: bool = False
+    zero_quantized_gradients: bool = False
+    zeropp_loco_param: dict[str, Any] | None = None
+    mics_shard_size: int = -1
+    mics_hierarchical_params_gather: bool = False
+    memory_efficient_linear: bool = True
+    pipeline_loading_checkpoint: bool = False
+    override_module_apply: bool = True
+    log_trace_cache_warnings: bool = False
+    enable_sanity_checks: bool = False
+    save_muon_momentum_buffer_in_memory: bool = False
+    leaf_module: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_deepspeed_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("overlap_comm") is None:
+            data["overlap_comm"] = data.get("stage", 0) in (3, "3")
+        pin = bool(data.get("cpu_offload_use_pin_memory") or False)
+        # The deprecated booleans ask for CPU offload; carry that into the modern sections
+        # unless the user also wrote those, so later stages read one place.
+        if data.get("cpu_offload") is True and data.get("offload_optimizer") is None:
+            data["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+        if data.get("cpu_offload_param") is True and data.get("offload_param") is None:
+            data["offload_param"] = {"device": "cpu", "pin_memory": pin}
+        return data
+
+    @field_validator("stage")
+    @classmethod
+    def _known_stage(cls, stage: int) -> int:
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"expected one of 0, 1, 2, 3, got {stage}")
+        return stage
+
+    @model_validator(mode="after")
+    def _partial_offload_needs_stage3(self) -> ZeroConfig:
+        if self.offload_optimizer is not None and self.offload_optimizer.ratio < 1.0:
+            if self.stage != 3:
+                raise ValueError(
+                    f"offload_optimizer.ratio {self.offload_optimizer.ratio} < 1 (partial offload) "
+                    f"needs stage 3, but stage is {self.stage}; set ratio to 1.0 or stage to 3"
+                )
+        return self
+
+
+class AioConfig(Section):
+    """``aio``: the asynchronous NVMe I/O engine (used only with NVMe offload)."""
+
+    block_size: int = Field(1_048_576, gt=0)
+    queue_depth: int = Field(8, gt=0)
+    thread_count: int = Field(1, gt=0, alias="intra_op_parallelism")
+    single_submit: bool = False
+    overlap_events: bool = True
+    use_gds: bool = False

@@ -1,0 +1,359 @@
+"""The training engine: forward, backward and step with accumulation, precision and clipping.
+
+The engine orchestrates; the pieces it calls do the work: ``comm.GradientBuckets``
+averages gradients across data-parallel ranks, ``precision.MasterWeights`` holds the
+fp32 masters, ``loss_scaler`` and ``clipping`` act on the averaged gradients, and the
+optimizer/scheduler come from ``terascale.optim``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any, Callable
+
+import psutil
+import torch
+from torch import nn
+
+from terascale.comm import DistributedContext, GradientBuckets, ReducePolicy, all_reduce_flag, broadcast_tensors
+from terascale.config import Config
+from terascale.engine.clipping import clip_grads_, global_grad_norm
+from terascale.engine.loss_scaler import build_loss_scaler
+from terascale.engine.monitor import StepTimers, build_monitors
+from terascale.engine.precision import MasterWeights, PrecisionPolicy, remap_optimizer
+from terascale.optim import build_optimizer, build_scheduler
+
+logger = logging.getLogger("terascale")
+
+OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None
+SchedulerArg = Any  # an LR scheduler instance or a callable(optimizer) -> scheduler
+
+
+class Engine(nn.Module):
+    """Wraps the user's module for data-parallel mixed-precision training.
+
+    Call it like the module for forward; call :meth:`backward` with the loss and
+    :meth:`step` after every micro-batch. Gradients are averaged over the data-parallel
+    group and the optimizer steps once every ``gradient_accumulation_steps`` micro-batches.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: Config,
+        dist_ctx: DistributedContext,
+        *,
+        optimizer: OptimizerArg = None,
+        model_parameters: Iterable[Any] | None = None,
+        lr_scheduler: SchedulerArg = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dist = dist_ctx
+        batch = config.resolve_batch(dist_ctx.dp_world_size)
+        self.train_batch_size = batch.train_batch_size
+        self.micro_batch_size = batch.micro_batch_size
+        self.gradient_accumulation_steps = batch.gradient_accumulation_steps
+
+        self.precision = PrecisionPolicy(compute_dtype=config.compute_dtype)
+        self.module = module.to(device=dist_ctx.device, dtype=self.precision.compute_dtype)
+        # Every rank starts from rank 0's weights, whatever each process's seed did.
+        broadcast_tensors(
+            [t.data for t in module.parameters()] + list(module.buffers()), dist_ctx.dp_group
+        )
+
+        trainable = _trainable_params(module, model_parameters)
+        self._masters = MasterWeights(trainable, self.precision)
+        self.optimizer = self._build_optimizer(optimizer, model_parameters, trainable)
+        self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        self.loss_scaler = build_loss_scaler(config.fp16)
+
+        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+        zero = config.zero_optimization
+        self._buckets = GradientBuckets(
+            trainable,
+            [names.get(id(p), "<unnamed>") for p in trainable],
+            dist_ctx.dp_group,
+            ReducePolicy(
+                bucket_numel=int(zero.reduce_bucket_size),
+                accum_dtype=config.grad_accum_dtype,
+                comm_dtype=config.communication_dtype,
+                prescale=config.prescale_gradients,
+                predivide_factor=config.gradient_predivide_factor,
+            ),
+            dist_ctx.device,
+        )
+
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._step_applied = False
+        self._window_loss = torch.zeros((), device=dist_ctx.device)
+        self._last_grad_norm: float | None = None
+        self.timers = StepTimers(config.wall_clock_breakdown, dist_ctx.device)
+        self._monitors = build_monitors(config) if dist_ctx.dp_rank == 0 else []
+
+    # -- properties a training script reads ------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
+
+    @property
+    def rank(self) -> int:
+        return self.dist.rank
+
+    @property
+    def world_size(self) -> int:
+        """The data-parallel world size (gradients are averaged over it)."""
+        return self.dist.dp_world_size
+
+    @property
+    def dp_group(self):
+        return self.dist.dp_group
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradient norm of the last optimizer step (None before one was computed)."""
+        return self._last_grad_norm
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the current micro-step is the last of its accumulation window."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def was_step_applied(self) -> bool:
+        """False if the last boundary step was skipped because of an fp16 overflow."""
+        return self._step_applied
+
+    # -- the training protocol ---------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module; tensor inputs are moved to the engine's device."""
+        self.timers.start("forward")
+        args, kwargs = _to_device((args, kwargs), self.device, self._input_cast_dtype())
+        out = self.module(*args, **kwargs)
+        self.timers.stop("forward")
+        return out
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` scaled for accumulation (1/steps) and for fp16.
+
+        On the last micro-step of a window, gradient buckets are all-reduced while the
+        rest of backward still runs.
+        """
+        if loss.dim() != 0:
+            raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
+        self.timers.start("backward")
+        self._window_loss += loss.detach().float()
+        self._buckets.prepare_backward(sync=self.is_gradient_accumulation_boundary())
+        scale = self.loss_scaler.scale / self.gradient_accumulation_steps
+        (loss.float() * scale).backward()
+        self.timers.stop("backward")
+
+    def step(self) -> None:
+        """Count a micro-step; at an accumulation boundary, update the parameters."""
+        if self.is_gradient_accumulation_boundary():
+            self.timers.start("step")
+            self._optimizer_step()
+            self.timers.stop("step")
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size
+            self._report()
+        self.micro_steps += 1
+
+    def zero_grad(self) -> None:
+        """Drop the gradients accumulated so far in this window."""
+        self._buckets.zero_()
+        self._masters.clear_grads()
+
+    def _optimizer_step(self) -> None:
+        self._buckets.finish()
+        self._masters.set_grads(self._buckets.grads())
+        grads = [m.grad for m in self._masters.masters if m.grad is not None]
+        scale = self.loss_scaler.scale
+        if scale != 1.0 and grads:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        norm = None
+        clip = self.config.gradient_clipping
+        if clip > 0 or self.config.fp16.enabled:
+            # Gradients are replicated after the all-reduce, so no group is needed here.
+            norm = global_grad_norm(grads)
+        overflow = False
+        if self.config.fp16.enabled:
+            overflow = all_reduce_flag(~torch.isfinite(norm), self.dp_group, self.device)
+            self.loss_scaler.update(overflow)
+        if overflow:
+            self.skipped_steps += 1
+            self._step_applied = False
+            logger.info("fp16 overflow at step %d: step skipped, loss scale now %g", self.global_steps, scale)
+        else:
+            if clip > 0:
+                clip_grads_(grads, clip, norm)
+            self.optimizer.step()
+            self._masters.copy_to_model()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self._step_applied = True
+        self._last_grad_norm = None if norm is None else float(norm)
+        self._buckets.zero_()
+        self._masters.clear_grads()
+
+    def _report(self) -> None:
+        every = self.config.steps_per_print
+        want_print = every and self.global_steps % every == 0
+        if not (want_print or self._monitors):
+            self._window_loss.zero_()
+            return
+        loss = float(self._window_loss) / self.gradient_accumulation_steps
+        self._window_loss.zero_()
+        if self._monitors:
+            events = [
+                ("Train/Samples/train_loss", loss, self.global_samples),
+                ("Train/Samples/lr", self.get_lr()[0], self.global_samples),
+            ]
+            if self.config.fp16.enabled:
+                events.append(("Train/Samples/loss_scale", self.loss_scale, self.global_samples))
+            for m in self._monitors:
+                m.write(events)
+        if want_print and self.dist.dp_rank == 0:
+            msg = f"step={self.global_steps} skipped={self.skipped_steps} lr={self.get_lr()} loss={loss:.5f}"
+            if self.config.fp16.enabled:
+                msg += f" loss_scale={self.loss_scale:g}"
+            logger.info(msg)
+            if self.timers.enabled:
+                logger.info("time (%d steps): %s", every, self.timers.report())
+            if self.config.memory_breakdown:
+                logger.info("memory: %s", _memory_summary(self.device))
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and persistent buffer by name, full size, on CPU, on every rank.
+
+        Trainable parameters come from the fp32 masters; tied parameters appear under each
+        of their names, as in ``module.state_dict()``.
+        """
+        out = {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if isinstance(t, nn.Parameter) and t.requires_grad and id(t) in self._master_ids():
+                t = self._masters.master_of(t)
+            out[name] = t.detach().to("cpu", copy=True)
+            if out[name].is_floating_point():
+                out[name] = out[name].float()
+        return out
+
+    def _master_ids(self) -> set[int]:
+        return {id(p) for p in self._masters.model_params}
+
+    def destroy(self) -> None:
+        """Remove hooks and close monitors (the engine is unusable afterwards)."""
+        self._buckets.remove_hooks()
+        for m in self._monitors:
+            m.close()
+        self._monitors = []
+
+    # -- construction helpers ------------------------------------------------------------------
+
+    def _input_cast_dtype(self) -> torch.dtype | None:
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            return torch.float16
+        return None
+
+    def _build_optimizer(
+        self, optimizer: OptimizerArg, model_parameters: Iterable[Any] | None, trainable: list[nn.Parameter]
+    ) -> torch.optim.Optimizer:
+        section = self.config.optimizer
+        if optimizer is not None and section is not None:
+            raise ValueError(
+                "an optimizer was passed to terascale.initialize and the config has an 'optimizer' "
+                "section; remove one of them"
+            )
+        groups = self._masters.master_param_groups(
+            model_parameters if model_parameters is not None else trainable
+        )
+        if isinstance(optimizer, torch.optim.Optimizer):
+            if self.precision.has_separate_masters:
+                remap_optimizer(optimizer, self._masters)
+            return optimizer
+        if callable(optimizer):
+            return optimizer(groups)
+        if section is None:
+            raise ValueError(
+                "no optimizer: add an 'optimizer' section to the config (e.g. "
+                '{"type": "AdamW", "params": {"lr": 1e-3}}) or pass optimizer= to terascale.initialize'
+            )
+        return build_optimizer(section.type, dict(section.params), groups)
+
+    def _build_scheduler(self, lr_scheduler: SchedulerArg) -> Any:
+        section = self.config.scheduler
+        if section is not None:
+            if lr_scheduler is not None:
+                raise ValueError(
+                    "an lr_scheduler was passed to terascale.initialize and the config has a "
+                    "'scheduler' section; remove one of them"
+                )
+            return build_scheduler(section.type, dict(section.params), self.optimizer)
+        if lr_scheduler is not None and not hasattr(lr_scheduler, "step") and callable(lr_scheduler):
+            return lr_scheduler(self.optimizer)
+        return lr_scheduler
+
+
+def _trainable_params(module: nn.Module, model_parameters: Iterable[Any] | None) -> list[nn.Parameter]:
+    """The distinct parameters the optimizer will own, in module order."""
+    if model_parameters is None:
+        candidates = [p for p in module.parameters() if p.requires_grad]
+    else:
+        candidates = []
+        for item in model_parameters:
+            if isinstance(item, dict):
+                ps = item["params"]
+                candidates.extend([ps] if isinstance(ps, torch.Tensor) else ps)
+            else:
+                candidates.append(item)
+    in_module = {id(p) for p in module.parameters()}
+    seen: set[int] = set()
+    out = []
+    for p in candidates:
+        if id(p) not in in_module:
+            raise ValueError("model_parameters contains a tensor that is not a parameter of the model")
+        if not p.requires_grad:
+            raise ValueError("model_parameters contains a parameter with requires_grad=False")
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    # Module order, so that every rank lays buckets out identically.
+    order = {id(p): i for i, p in enumerate(module.parameters())}
+    return sorted(out, key=lambda p: order[id(p)])
+
+
+def _to_device(obj: Any, device: torch.device, float_dtype: torch.dtype | None) -> Any:
+    if isinstance(obj, torch.Tensor):
+        if float_dtype is not None and obj.is_floating_point():
+            return obj.to(device=device, dtype=float_dtype, non_blocking=True)
+        return obj.to(device, non_blocking=True) if obj.device != device else obj
+    if isinstance(obj, (list, tuple)):
+        converted = [_to_device(o, device, float_dtype) for o in obj]
+        return type(obj)(converted) if not hasattr(obj, "_fields") else type(obj)(*converted)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device, float_dtype) for k, v in obj.items()}
+    return obj
+
+
+def _memory_summary(device: torch.device) -> str:
+    rss = psutil.Process().memory_info().rss / 2**20
+    text = f"rss {rss:.0f} MiB"
+    if device.type == "cuda":
+        text += (
+            f", allocated {torch.cuda.memory_allocated(device) / 2**20:.0f} MiB"
+            f", peak {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB"
+        )
+    return text

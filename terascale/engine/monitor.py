@@ -1,0 +1,132 @@
+"""Where training metrics go: CSV files, TensorBoard, Weights & Biases; step timers.
+
+Only the first rank of the data-parallel group writes. Each backend is built from its
+DeepSpeed config section; asking for a backend whose package is missing is an error at
+start-up, not a silent no-op.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+
+class Monitor(Protocol):
+    def write(self, events: Sequence[tuple[str, float, int]]) -> None:
+        """Record ``(name, value, step)`` events."""
+
+    def close(self) -> None: ...
+
+
+class CsvMonitor:
+    """One CSV file per metric, ``<output_path>/<job_name>/<metric>.csv`` with step,value rows."""
+
+    def __init__(self, output_path: str, job_name: str) -> None:
+        self.dir = os.path.join(output_path or "./csv_monitor", job_name or "terascale")
+        os.makedirs(self.dir, exist_ok=True)
+
+    def write(self, events: Sequence[tuple[str, float, int]]) -> None:
+        for name, value, step in events:
+            path = os.path.join(self.dir, name.replace("/", "_") + ".csv")
+            new = not os.path.exists(path)
+            with open(path, "a", newline="") as f:
+                w = csv.writer(f)
+                if new:
+                    w.writerow(["step", name])
+                w.writerow([step, value])
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardMonitor:
+    def __init__(self, output_path: str, job_name: str) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:  # tensorboard is an optional dependency
+            raise ValueError(
+                "tensorboard.enabled is true but the 'tensorboard' package is not installed; "
+                "pip install tensorboard, or set tensorboard.enabled to false"
+            ) from e
+        self._writer = SummaryWriter(log_dir=os.path.join(output_path or "./runs", job_name or "terascale"))
+
+    def write(self, events: Sequence[tuple[str, float, int]]) -> None:
+        for name, value, step in events:
+            self._writer.add_scalar(name, value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbMonitor:
+    def __init__(self, project: str | None, group: str | None, team: str | None) -> None:
+        try:
+            import wandb
+        except ImportError as e:
+            raise ValueError(
+                "wandb.enabled is true but the 'wandb' package is not installed; "
+                "pip install wandb, or set wandb.enabled to false"
+            ) from e
+        self._wandb = wandb
+        wandb.init(project=project, group=group, entity=team)
+
+    def write(self, events: Sequence[tuple[str, float, int]]) -> None:
+        for name, value, step in events:
+            self._wandb.log({name: value}, step=step)
+
+    def close(self) -> None:
+        self._wandb.finish()
+
+
+def build_monitors(config) -> list[Monitor]:
+    """The monitors a config enables (call on the writing rank only)."""
+    monitors: list[Monitor] = []
+    if config.csv_monitor.enabled:
+        monitors.append(CsvMonitor(config.csv_monitor.output_path, config.csv_monitor.job_name))
+    if config.tensorboard.enabled:
+        monitors.append(TensorBoardMonitor(config.tensorboard.output_path, config.tensorboard.job_name))
+    if config.wandb.enabled:
+        monitors.append(WandbMonitor(config.wandb.project, config.wandb.group, config.wandb.team))
+    return monitors
+
+
+class StepTimers:
+    """Wall-clock time of forward, backward and step, summed between reports.
+
+    Timing a device that runs asynchronously needs a synchronisation per phase, so the
+    timers are only active when ``wall_clock_breakdown`` asks for them.
+    """
+
+    PHASES = ("forward", "backward", "step")
+
+    def __init__(self, enabled: bool, device: torch.device) -> None:
+        self.enabled = enabled
+        self._device = device
+        self._start: dict[str, float] = {}
+        self.totals: dict[str, float] = dict.fromkeys(self.PHASES, 0.0)
+
+    def _sync(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+    def start(self, phase: str) -> None:
+        if self.enabled:
+            self._sync()
+            self._start[phase] = time.perf_counter()
+
+    def stop(self, phase: str) -> None:
+        if self.enabled:
+            self._sync()
+            self.totals[phase] += time.perf_counter() - self._start.pop(phase)
+
+    def report(self) -> str:
+        """``forward: 12.3 ms | backward: ...`` since the last report, then reset."""
+        text = " | ".join(f"{k}: {v * 1000:.1f} ms" for k, v in self.totals.items())
+        self.totals = dict.fromkeys(self.PHASES, 0.0)
+        return text

@@ -1,0 +1,128 @@
+"""The ``terascale`` command line: ``terascale run ...`` and ``terascale env``.
+
+Each subcommand registers itself through one ``_add_<name>`` function and a
+handler, so later subcommands slot in without touching the others. Heavy
+modules (torch, the engine) are imported only by the handler that needs them,
+which keeps ``terascale --help`` fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+__all__ = ["build_parser", "main"]
+
+_Handler = Callable[[argparse.Namespace], int]
+
+
+def _add_run(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "run",
+        allow_abbrev=False,
+        help="launch a training script on one or many machines (torchrun underneath)",
+        description=(
+            "Launch SCRIPT with torch.distributed.run. One machine: "
+            "`terascale run --nproc 2 train.py`. Many: either run `terascale run --nnodes N "
+            "--node_rank R --master_addr A ...` on every machine, or give a DeepSpeed-style "
+            "--hostfile and terascale starts one agent per host over ssh."
+        ),
+    )
+    p.add_argument(
+        "--nproc", "--nproc_per_node", "--nproc-per-node", "--num_gpus", "--num_accelerators",
+        dest="nproc", type=int, default=None, metavar="N",
+        help="processes per node (default: number of visible CUDA devices, else 1; "
+        "with --hostfile: the host's slots)",
+    )
+    p.add_argument(
+        "--nnodes", "--num_nodes", dest="nnodes", default=None, metavar="N|MIN:MAX",
+        help="number of nodes, or an elastic range (default: 1; with --hostfile: all hosts)",
+    )
+    p.add_argument("--node_rank", "--node-rank", dest="node_rank", type=int, default=None, metavar="R",
+                   help="accepted for torchrun habits and passed on; across nodes the c10d "
+                   "rendezvous assigns node ranks itself")
+    p.add_argument("--master_addr", "--master-addr", dest="master_addr", default=None, metavar="ADDR",
+                   help="rendezvous host (default: standalone on one node; first host of the hostfile)")
+    p.add_argument("--master_port", "--master-port", dest="master_port", type=int, default=None, metavar="PORT",
+                   help="rendezvous port (default: 29500, or a free port for a standalone run)")
+    p.add_argument("--rdzv_id", "--rdzv-id", dest="rdzv_id", default=None, metavar="ID",
+                   help="rendezvous id shared by all nodes of one job")
+    p.add_argument("-H", "--hostfile", default=None, metavar="FILE",
+                   help="DeepSpeed-format hostfile ('HOST slots=N' lines); start one agent per host over ssh")
+    p.add_argument("-i", "--include", default="", metavar="SPEC",
+                   help="use only these hosts/slots, e.g. 'worker-0@worker-1:0,2'")
+    p.add_argument("-e", "--exclude", default="", metavar="SPEC",
+                   help="use everything but these hosts/slots, e.g. 'worker-1:0'")
+    p.add_argument("--max_restarts", "--max-restarts", dest="max_restarts", type=int, default=0, metavar="K",
+                   help="restart the workers up to K times after a failure (default: 0)")
+    p.add_argument("-m", "--module", action="store_true",
+                   help="treat SCRIPT as a module name, as `python -m` does")
+    p.add_argument("script", help="training script (or module with --module)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    p.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from terascale.launcher.runner import LaunchOptions, launch
+
+    opts = LaunchOptions(
+        script=args.script,
+        script_args=tuple(args.script_args),
+        nproc=args.nproc,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        rdzv_id=args.rdzv_id,
+        max_restarts=args.max_restarts,
+        module=args.module,
+    )
+    return launch(opts, hostfile=args.hostfile, include=args.include, exclude=args.exclude)
+
+
+def _add_env(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "env",
+        help="show versions, devices, backends and I/O support on this machine",
+        description="Print a table of what terascale can use here: versions, CUDA devices, "
+        "NCCL, distributed backends, CPUs and memory, O_DIRECT support, optional packages.",
+    )
+    p.set_defaults(handler=_env)
+
+
+def _env(args: argparse.Namespace) -> int:
+    from terascale.launcher.env_report import print_env
+
+    return print_env()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``terascale`` argument parser with one subparser per subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="terascale",
+        description="Train PyTorch models far larger than one device's memory.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_run(subparsers)
+    _add_env(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``terascale`` command line on ``argv`` (default ``sys.argv[1:]``).
+
+    Returns the exit code: the launched job's for ``run``, 2 for a usage
+    error (reported on stderr as ``terascale: error: ...``).
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or argparse's own usage errors
+        return exc.code if isinstance(exc.code, int) else 2
+    handler: _Handler = args.handler
+    try:
+        return handler(args)
+    except ValueError as exc:
+        print(f"terascale {args.command}: error: {exc}", file=sys.stderr)
+        return 2

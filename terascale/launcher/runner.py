@@ -1,0 +1,521 @@
+"""Build and run ``torch.distributed.run`` (torchrun) commands for ``terascale run``.
+
+terascale does not manage worker processes itself: on each machine one torchrun
+agent starts the ranks, restarts them (``--max_restarts``) and runs the
+rendezvous. This module only decides *which* torchrun command runs *where*:
+
+* one machine, no master given: ``torchrun --standalone`` (private c10d store
+  on a free local port);
+* otherwise: c10d rendezvous at ``master_addr:master_port``;
+* with a hostfile: one agent per host, started over ``ssh`` concurrently, with
+  the environment (``PYTHONPATH``, ``NCCL_*``, ``.terascale_env`` entries) and
+  the working directory carried over.
+
+Command construction is pure (:func:`torchrun_args`, :func:`ssh_commands`,
+...) so it is testable without ssh; :func:`launch` ties it to processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TextIO
+
+from terascale.launcher.hostfile import filter_hosts, read_hostfile
+
+__all__ = [
+    "DEFAULT_MASTER_PORT",
+    "DEFAULT_SSH_OPTIONS",
+    "ENV_FILE_NAMES",
+    "LaunchOptions",
+    "default_nproc",
+    "launch",
+    "load_env_files",
+    "parse_env_file",
+    "parse_nnodes",
+    "remote_exports",
+    "run_local",
+    "run_remote",
+    "select_resources",
+    "ssh_commands",
+    "torchrun_args",
+]
+
+DEFAULT_MASTER_PORT = 29500
+# Later names win, so a terascale file overrides a DeepSpeed one in the same directory.
+ENV_FILE_NAMES = (".deepspeed_env", ".terascale_env")
+# BatchMode: fail instead of prompting for a password nobody can type.
+# -tt: a remote pty, so closing the connection (when we terminate the ssh client)
+# hangs up the remote torchrun agent instead of leaving it orphaned.
+DEFAULT_SSH_OPTIONS = ("-tt", "-o", "BatchMode=yes", "-o", "ConnectTimeout=30")
+_EXPORT_PREFIXES = ("NCCL_",)
+_EXPORT_NAMES = ("PYTHONPATH",)
+_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def parse_nnodes(spec: str) -> tuple[int, int]:
+    """Parse ``"N"`` or ``"MIN:MAX"`` into ``(min_nodes, max_nodes)``.
+
+    Raises ``ValueError`` unless ``1 <= MIN <= MAX``.
+    """
+    parts = spec.split(":")
+    try:
+        if len(parts) == 1:
+            low = high = int(parts[0])
+        elif len(parts) == 2:
+            low, high = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--nnodes {spec!r}: write a node count N or a range MIN:MAX") from None
+    if not 1 <= low <= high:
+        raise ValueError(f"--nnodes {spec!r}: need 1 <= MIN <= MAX")
+    return low, high
+
+
+def _format_nnodes(low: int, high: int) -> str:
+    return str(low) if low == high else f"{low}:{high}"
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """What the user asked ``terascale run`` for; ``None`` means "choose for me".
+
+    ``nproc`` is ranks per node (default: visible CUDA devices, else 1, or the
+    hostfile's slots); ``nnodes`` is ``"N"`` or ``"MIN:MAX"`` (default: 1, or
+    every host of the hostfile). ``node_rank`` is accepted for torchrun habits
+    and passed through, but c10d rendezvous (always used across nodes) assigns
+    node ranks by itself.
+    """
+
+    script: str
+    script_args: tuple[str, ...] = ()
+    nproc: int | None = None
+    nnodes: str | None = None
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    rdzv_id: str | None = None
+    max_restarts: int = 0
+    module: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.script:
+            raise ValueError("no training script given; write `terascale run [options] script.py args...`")
+        if self.nproc is not None and self.nproc < 1:
+            raise ValueError(f"--nproc {self.nproc}: need at least one process per node")
+        if self.nnodes is not None:
+            _, high = parse_nnodes(self.nnodes)
+            if self.node_rank is not None and not 0 <= self.node_rank < high:
+                raise ValueError(f"--node_rank {self.node_rank}: must be in [0, {high}) for --nnodes {self.nnodes}")
+        elif self.node_rank not in (None, 0):
+            raise ValueError(f"--node_rank {self.node_rank} needs --nnodes greater than 1")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"--master_port {self.master_port}: must be in 1..65535")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max_restarts {self.max_restarts}: must be >= 0")
+        if self.master_addr is not None and not self.master_addr.strip():
+            raise ValueError("--master_addr is empty; give a hostname or IP address")
+
+
+def default_nproc() -> int:
+    """Number of visible CUDA devices, or 1 when there are none (CPU runs)."""
+    import torch  # deferred: `terascale --help` must not pay for importing torch
+
+    return max(torch.cuda.device_count(), 1)
+
+
+def _endpoint(addr: str, port: int) -> str:
+    # IPv6 literals need brackets so torchrun can split off the port.
+    if ":" in addr and not addr.startswith("["):
+        addr = f"[{addr}]"
+    return f"{addr}:{port}"
+
+
+def torchrun_args(opts: LaunchOptions, nproc_per_node: int, python: str = sys.executable) -> list[str]:
+    """The argv that starts one torchrun agent for ``opts`` on this machine.
+
+    One node and no master address/port: ``--standalone``. Otherwise c10d
+    rendezvous at ``master_addr:master_port`` (address 127.0.0.1 and port
+    29500 when only the other one is given on one node). Raises ``ValueError``
+    when more than one node is requested without ``master_addr``.
+    """
+    if nproc_per_node < 1:
+        raise ValueError(f"nproc_per_node {nproc_per_node}: need at least one process per node")
+    low, high = parse_nnodes(opts.nnodes or "1")
+    args = [python, "-m", "torch.distributed.run"]
+    if high == 1 and opts.master_addr is None and opts.master_port is None:
+        args += ["--standalone", "--nnodes=1"]
+    else:
+        if opts.master_addr is None and high > 1:
+            raise ValueError(
+                f"--nnodes {opts.nnodes} needs --master_addr (the address every node can reach "
+                "for rendezvous), or a --hostfile to start all nodes from here"
+            )
+        addr = opts.master_addr or "127.0.0.1"
+        port = opts.master_port or DEFAULT_MASTER_PORT
+        args += [
+            f"--nnodes={_format_nnodes(low, high)}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={_endpoint(addr, port)}",
+        ]
+        if opts.rdzv_id is not None:
+            args.append(f"--rdzv_id={opts.rdzv_id}")
+        if opts.node_rank is not None:
+            args.append(f"--node_rank={opts.node_rank}")
+    args += [f"--nproc_per_node={nproc_per_node}", f"--max_restarts={opts.max_restarts}"]
+    if opts.module:
+        args.append("--module")
+    args += [opts.script, *opts.script_args]
+    return args
+
+
+# ---------------------------------------------------------------------------
+# environment propagation
+
+
+def _unquote(value: str) -> str:
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return value[1:-1]
+    return value
+
+
+def parse_env_file(text: str, source: str = ".terascale_env") -> dict[str, str]:
+    """Parse ``KEY=VALUE`` lines (blank lines and ``#`` comments skipped).
+
+    One pair of surrounding quotes around VALUE is removed; nothing is
+    expanded. Raises ``ValueError`` naming ``source`` and the line for a line
+    without ``=`` or a KEY that is not a valid variable name.
+    """
+    result: dict[str, str] = {}
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        key = key.strip()
+        if not sep or not _ENV_KEY.match(key):
+            raise ValueError(f"{source}, line {lineno}: expected KEY=VALUE, got {line!r}")
+        result[key] = _unquote(value.strip())
+    return result
+
+
+def load_env_files(directories: Sequence[str | Path]) -> dict[str, str]:
+    """Merge the ``.deepspeed_env`` / ``.terascale_env`` files found in ``directories``.
+
+    Later directories and later names override earlier ones, so with
+    ``[home, cwd]`` the current directory wins. Missing files are skipped.
+    """
+    merged: dict[str, str] = {}
+    seen: set[Path] = set()
+    for directory in directories:
+        for name in ENV_FILE_NAMES:
+            path = Path(directory, name)
+            if not path.is_file():
+                continue
+            resolved = path.resolve()
+            if resolved in seen:
+                continue
+            seen.add(resolved)
+            merged.update(parse_env_file(path.read_text(), source=str(path)))
+    return merged
+
+
+def remote_exports(environ: Mapping[str, str], env_file_vars: Mapping[str, str]) -> dict[str, str]:
+    """Variables to export on every remote host: PYTHONPATH, NCCL_*, then the env files."""
+    exports = {
+        key: environ[key]
+        for key in sorted(environ)
+        if key in _EXPORT_NAMES or key.startswith(_EXPORT_PREFIXES)
+    }
+    exports.update(env_file_vars)
+    return exports
+
+
+# ---------------------------------------------------------------------------
+# multi-host planning
+
+
+def select_resources(
+    pool: Mapping[str, int],
+    *,
+    include: str = "",
+    exclude: str = "",
+    nnodes: str | None = None,
+    nproc: int | None = None,
+) -> dict[str, list[int]]:
+    """Pick ``{host: slots}`` from a hostfile pool.
+
+    Applies ``include``/``exclude`` (see :func:`filter_hosts`), then keeps the
+    first MAX hosts for ``nnodes`` (``"N"`` or ``"MIN:MAX"``) and slots
+    ``0..nproc-1`` on each host for ``nproc``, like DeepSpeed's ``--num_nodes``
+    and ``--num_gpus``. Raises ``ValueError`` for too few hosts, a host with
+    fewer than ``nproc`` slots, or ``nproc`` combined with a filter.
+    """
+    if nproc is not None and (include or exclude):
+        raise ValueError("--nproc cannot be combined with --include/--exclude; list the slots in the filter instead")
+    hosts = filter_hosts(pool, include, exclude)
+    if nnodes is not None:
+        low, high = parse_nnodes(nnodes)
+        if len(hosts) < low:
+            raise ValueError(f"--nnodes {nnodes} needs at least {low} hosts but only {len(hosts)} are available")
+        hosts = dict(list(hosts.items())[:high])
+    if nproc is not None:
+        for host in hosts:
+            if nproc > pool[host]:
+                raise ValueError(f"--nproc {nproc}: host {host!r} has only {pool[host]} slots in the hostfile")
+        hosts = {host: list(range(nproc)) for host in hosts}
+    return hosts
+
+
+def ssh_commands(
+    opts: LaunchOptions,
+    hosts: Mapping[str, Sequence[int]],
+    *,
+    slots_per_host: Mapping[str, int],
+    exports: Mapping[str, str],
+    cwd: str,
+    rdzv_id: str,
+    python: str = sys.executable,
+    ssh_options: Sequence[str] = DEFAULT_SSH_OPTIONS,
+) -> list[list[str]]:
+    """One ``ssh`` argv per host, in ``hosts`` order.
+
+    Each runs ``cd CWD && export VARS && exec torchrun ...`` remotely, every
+    piece shell-quoted. Global ranks come from the c10d rendezvous, so
+    ``--node_rank`` is not passed. The rendezvous is c10d at ``opts.master_addr`` (default:
+    the first host) and ``opts.master_port`` (default 29500); a host using a
+    subset of its ``slots_per_host`` also gets ``CUDA_VISIBLE_DEVICES``.
+    """
+    if not hosts:
+        raise ValueError("no hosts to launch on")
+    names = list(hosts)
+    if opts.nnodes is not None:
+        low, high = parse_nnodes(opts.nnodes)
+        if not low <= len(names) <= high:
+            raise ValueError(f"--nnodes {opts.nnodes} does not fit the {len(names)} selected hosts")
+        nnodes = _format_nnodes(low, len(names))
+    else:
+        nnodes = str(len(names))
+    master = opts.master_addr or names[0]
+    port = opts.master_port or DEFAULT_MASTER_PORT
+    commands = []
+    for host in names:
+        slots = list(hosts[host])
+        # No --node_rank: c10d rendezvous assigns node ranks itself and torchrun
+        # would only warn that it ignores the flag.
+        host_opts = dataclasses.replace(
+            opts, nnodes=nnodes, node_rank=None, master_addr=master, master_port=port, rdzv_id=rdzv_id
+        )
+        argv = torchrun_args(host_opts, nproc_per_node=len(slots), python=python)
+        host_env = dict(exports)
+        if slots != list(range(slots_per_host[host])):
+            host_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
+        remote = f"cd {shlex.quote(cwd)}"
+        if host_env:
+            remote += " && export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in host_env.items())
+        # exec: the agent replaces the shell, so the hang-up on disconnect reaches it directly.
+        remote += " && exec " + shlex.join(argv)
+        commands.append(["ssh", *ssh_options, host, remote])
+    return commands
+
+
+def _is_local_host(host: str) -> bool:
+    return host in _LOCAL_NAMES or host in (socket.gethostname(), socket.getfqdn())
+
+
+# ---------------------------------------------------------------------------
+# running
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived; unwinds to the cleanup that stops our children."""
+
+
+@contextmanager
+def _sigterm_as_exception() -> Iterator[None]:
+    # Signal handlers can only be installed from the main thread; elsewhere the
+    # caller's own handling applies.
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_code(returncode: int) -> int:
+    # Shell convention for "killed by signal N".
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _stop(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
+    """Terminate still-running ``procs``, killing those that outlive ``grace_s``."""
+    live = [p for p in procs if p.poll() is None]
+    for proc in live:
+        proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in live:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_local(argv: Sequence[str], env: Mapping[str, str] | None = None, grace_s: float = 30.0) -> int:
+    """Run the torchrun ``argv`` here and return its exit code (128+N if killed by signal N).
+
+    On Ctrl-C torchrun gets ``grace_s`` to stop its workers before it is
+    terminated; SIGTERM to this process is passed on to torchrun.
+    """
+    proc = subprocess.Popen(list(argv), env=None if env is None else dict(env))
+    try:
+        with _sigterm_as_exception():
+            return _exit_code(proc.wait())
+    except KeyboardInterrupt:
+        # A terminal's Ctrl-C reached torchrun too (same process group); signalling
+        # again would interrupt its own shutdown, so first just wait for it.
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            _stop([proc], grace_s)
+    except _Terminated:
+        _stop([proc], grace_s)
+    return _exit_code(proc.wait())
+
+
+def _pump(host: str, stream: IO[bytes], out: TextIO, lock: threading.Lock) -> None:
+    """Copy ``stream`` to ``out`` line by line, each line prefixed with ``host``."""
+    for raw in iter(stream.readline, b""):
+        # A remote pty ends lines with \r\n.
+        line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+        with lock:
+            out.write(f"{host}: {line}\n")
+            out.flush()
+    stream.close()
+
+
+def run_remote(
+    commands: Sequence[tuple[str, Sequence[str]]],
+    out: TextIO | None = None,
+    grace_s: float = 10.0,
+    poll_s: float = 0.1,
+) -> int:
+    """Run ``(host, argv)`` commands concurrently; stream output as ``host: line``.
+
+    Returns 0 when all succeed. As soon as one exits non-zero the others are
+    terminated and that exit code is returned; Ctrl-C/SIGTERM stop them all.
+    """
+    out = sys.stdout if out is None else out
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    try:
+        with _sigterm_as_exception():
+            for host, argv in commands:
+                proc = subprocess.Popen(
+                    list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+                )
+                procs.append(proc)
+                pump = threading.Thread(target=_pump, args=(host, proc.stdout, out, lock), daemon=True)
+                pump.start()
+                pumps.append(pump)
+            while True:
+                codes = [p.poll() for p in procs]
+                failed = [(host, c) for (host, _), c in zip(commands, codes) if c not in (None, 0)]
+                if failed:
+                    host, code = failed[0]
+                    with lock:
+                        print(f"terascale: {host} exited with code {code}; stopping the other hosts",
+                              file=sys.stderr, flush=True)
+                    _stop(procs, grace_s)
+                    return _exit_code(code)
+                if all(c == 0 for c in codes):
+                    return 0
+                time.sleep(poll_s)
+    except (KeyboardInterrupt, _Terminated):
+        _stop(procs, grace_s)
+        return 130
+    except BaseException:
+        # e.g. a command that cannot be started: do not leave the others running
+        _stop(procs, grace_s)
+        raise
+    finally:
+        for pump in pumps:
+            pump.join(timeout=5.0)
+
+
+def launch(
+    opts: LaunchOptions,
+    *,
+    hostfile: str | None = None,
+    include: str = "",
+    exclude: str = "",
+    environ: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+) -> int:
+    """Start the job described by ``opts`` and return its exit code.
+
+    Without ``hostfile``: one torchrun agent on this machine. With one: one
+    agent per selected host over ssh (or locally, if the only host is this
+    machine). Raises ``ValueError`` for inconsistent options.
+    """
+    environ = os.environ if environ is None else environ
+    cwd = os.getcwd() if cwd is None else cwd
+    if hostfile is None:
+        if include or exclude:
+            raise ValueError("--include/--exclude select hosts from a --hostfile; give one")
+        argv = torchrun_args(opts, nproc_per_node=opts.nproc or default_nproc())
+        return run_local(argv, env=environ)
+
+    if opts.node_rank is not None:
+        raise ValueError("--node_rank is assigned per host when --hostfile is given; drop --node_rank")
+    pool = read_hostfile(hostfile)
+    hosts = select_resources(pool, include=include, exclude=exclude, nnodes=opts.nnodes, nproc=opts.nproc)
+    if len(hosts) == 1 and _is_local_host(next(iter(hosts))):
+        host, slots = next(iter(hosts.items()))
+        env = dict(environ)
+        if slots != list(range(pool[host])):
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
+        argv = torchrun_args(dataclasses.replace(opts, nnodes=None), nproc_per_node=len(slots))
+        return run_local(argv, env=env)
+
+    if shutil.which("ssh") is None:
+        raise ValueError(
+            "ssh was not found on PATH; install an OpenSSH client, or start "
+            "`terascale run --nnodes N --master_addr A ...` on every node by hand"
+        )
+    exports = remote_exports(environ, load_env_files([Path.home(), cwd]))
+    commands = ssh_commands(
+        opts,
+        hosts,
+        slots_per_host=pool,
+        exports=exports,
+        cwd=cwd,
+        rdzv_id=opts.rdzv_id or uuid.uuid4().hex[:16],
+    )
+    for host, slots in hosts.items():
+        print(f"terascale: starting {len(slots)} processes on {host}", file=sys.stderr, flush=True)
+    return run_remote(list(zip(hosts, commands)))

@@ -1,0 +1,26 @@
+"""Optimizers and learning-rate schedules with DeepSpeed-compatible names and configs."""
+
+from terascale.optim.cyclic import LRRangeTest, OneCycle
+from terascale.optim.factory import (
+    SUPPORTED_OPTIMIZERS,
+    SUPPORTED_SCHEDULERS,
+    build_optimizer,
+    build_scheduler,
+)
+from terascale.optim.lamb import Lamb
+from terascale.optim.schedulers import LRSchedule
+from terascale.optim.warmup import WarmupCosineLR, WarmupDecayLR, WarmupLR
+
+__all__ = [
+    "SUPPORTED_OPTIMIZERS",
+    "SUPPORTED_SCHEDULERS",
+    "LRRangeTest",
+    "LRSchedule",
+    "Lamb",
+    "OneCycle",
+    "WarmupCosineLR",
+    "WarmupDecayLR",
+    "WarmupLR",
+    "build_optimizer",
+    "build_scheduler",
+]

@@ -1,0 +1,97 @@
+"""Run a test function on N real processes joined by a gloo process group.
+
+``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes with torchrun's
+environment variables set, calls ``fn(*args)`` in each, and returns the per-rank return
+values (index = rank). An exception on any rank fails the test with that rank's traceback;
+a hang fails after ``timeout`` seconds instead of blocking the suite.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable, rank: int, world_size: int, port: int, results: mp.Queue, args: tuple) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        # Plain bytes through the queue: torch's shared-memory pickling of tensors would
+        # need this process alive after it returns.
+        buf = io.BytesIO()
+        torch.save(fn(*args), buf)
+        results.put((rank, True, buf.getvalue()))
+    except BaseException:  # report everything, including assertion failures
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+    """Call ``fn(*args)`` on ``world_size`` spawned ranks; return their results by rank."""
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, rank, world_size, port, results, args), daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        deadline = time.monotonic() + timeout
+        for _ in range(world_size):
+            while True:
+                try:
+                    rank, ok, value = results.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    # A rank that died without reporting (killed, crashed in start-up) would
+                    # otherwise leave the others waiting for it until the timeout.
+                    dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                    if dead:
+                        raise AssertionError(f"{fn.__name__}: a rank exited with code {dead[0]} without a result") from None
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{fn.__name__}: no result from some rank within {timeout:.0f}s") from None
+            if ok:
+                import torch
+
+                out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+                break  # the other ranks may now hang on a collective
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError(f"{fn.__name__} failed:\n" + "\n".join(errors))
+    return [out[r] for r in range(world_size)]

@@ -1,0 +1,456 @@
+"""Tests for terascale.launcher: hostfiles, resource filters, command construction, real runs.
+
+Command construction is checked against torchrun's own argument parser (the
+reference for what the flags mean); real runs start `python -m terascale` as
+users do, with gloo on CPU, and bound every process with a timeout.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from terascale.launcher.cli import build_parser, main
+from terascale.launcher.env_report import collect_env, format_table, odirect_status
+from terascale.launcher.hostfile import filter_hosts, parse_hostfile, read_hostfile
+from terascale.launcher.runner import (
+    LaunchOptions,
+    load_env_files,
+    parse_env_file,
+    parse_nnodes,
+    remote_exports,
+    run_local,
+    run_remote,
+    select_resources,
+    ssh_commands,
+    torchrun_args,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+TIMEOUT_S = 180
+
+# ---------------------------------------------------------------------------
+# hostfile
+
+
+def test_parse_hostfile_valid_with_comments_and_blank_lines():
+    text = "# cluster\n\nworker-0 slots=4\n  worker-1   slots=2  # two GPUs broken\n\n10.0.0.7 slots=8\n"
+    hosts = parse_hostfile(text)
+    assert hosts == {"worker-0": 4, "worker-1": 2, "10.0.0.7": 8}
+    assert list(hosts) == ["worker-0", "worker-1", "10.0.0.7"]
+
+
+def test_parse_hostfile_malformed_line_names_line_number():
+    with pytest.raises(ValueError, match=r"line 3.*worker-1 slot=2"):
+        parse_hostfile("worker-0 slots=4\n# ok\nworker-1 slot=2\n")
+    with pytest.raises(ValueError, match="line 1"):
+        parse_hostfile("worker-0\n")
+    with pytest.raises(ValueError, match="line 2"):
+        parse_hostfile("a slots=1\nb slots=x\n")
+
+
+def test_parse_hostfile_duplicate_zero_and_empty():
+    with pytest.raises(ValueError, match=r"line 3.*'a'.*more than once"):
+        parse_hostfile("a slots=1\nb slots=1\na slots=2\n")
+    with pytest.raises(ValueError, match="slots=0"):
+        parse_hostfile("a slots=0\n")
+    with pytest.raises(ValueError, match="no hosts"):
+        parse_hostfile("# nothing\n\n")
+
+
+def test_read_hostfile(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text("a slots=2\nb oops\n")
+    with pytest.raises(ValueError, match=rf"{path}, line 2"):
+        read_hostfile(path)
+    with pytest.raises(ValueError, match="cannot read hostfile"):
+        read_hostfile(tmp_path / "missing")
+
+
+# ---------------------------------------------------------------------------
+# include / exclude (DeepSpeed semantics, expected values written out by hand)
+
+POOL = {"w0": 4, "w1": 4, "w2": 2}
+
+
+def test_filter_without_filters_uses_everything():
+    assert filter_hosts(POOL) == {"w0": [0, 1, 2, 3], "w1": [0, 1, 2, 3], "w2": [0, 1]}
+
+
+def test_include_builds_from_nothing_in_hostfile_order():
+    got = filter_hosts(POOL, include="w2@w0:2,0")
+    assert got == {"w0": [2, 0], "w2": [0, 1]}
+    assert list(got) == ["w0", "w2"]
+    assert filter_hosts(POOL, include="w1:1,1,3") == {"w1": [1, 3]}
+    # a host named twice accumulates its slots (DeepSpeed would keep only the last mention)
+    assert filter_hosts(POOL, include="w1:3@w1:0,3") == {"w1": [3, 0]}
+
+
+def test_exclude_removes_hosts_and_slots():
+    assert filter_hosts(POOL, exclude="w1:0,3@w2") == {"w0": [0, 1, 2, 3], "w1": [1, 2]}
+    assert filter_hosts(POOL, exclude="w2:0@w2:1") == {"w0": [0, 1, 2, 3], "w1": [0, 1, 2, 3]}
+
+
+@pytest.mark.parametrize(
+    "include, exclude, message",
+    [
+        ("w0", "w1", "mutually exclusive"),
+        ("w9", "", "'w9' is not in the hostfile"),
+        ("w9:0", "", "'w9' is not in the hostfile"),
+        ("w2:2", "", "no slot 2"),
+        ("", "w0:x", "not an integer"),
+        ("w0@@w1", "", "empty host entry"),
+        ("", "w0@w1@w2", "leaves no slots"),
+    ],
+)
+def test_filter_errors(include, exclude, message):
+    with pytest.raises(ValueError, match=message):
+        filter_hosts(POOL, include=include, exclude=exclude)
+
+
+def test_select_resources_nnodes_and_nproc():
+    assert select_resources(POOL, nnodes="2") == {"w0": [0, 1, 2, 3], "w1": [0, 1, 2, 3]}
+    assert select_resources(POOL, nnodes="1:2", nproc=2) == {"w0": [0, 1], "w1": [0, 1]}
+    assert select_resources(POOL, exclude="w0", nnodes="2") == {"w1": [0, 1, 2, 3], "w2": [0, 1]}
+    with pytest.raises(ValueError, match="at least 4 hosts"):
+        select_resources(POOL, nnodes="4")
+    with pytest.raises(ValueError, match="only 2 slots"):
+        select_resources(POOL, nproc=3)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        select_resources(POOL, include="w0", nproc=1)
+
+
+# ---------------------------------------------------------------------------
+# torchrun argv, checked with torchrun's own parser
+
+
+def _torchrun_parse(argv: list[str]):
+    from torch.distributed.run import get_args_parser
+
+    assert argv[1:3] == ["-m", "torch.distributed.run"]
+    return get_args_parser().parse_args(argv[3:])
+
+
+def test_parse_nnodes():
+    assert parse_nnodes("3") == (3, 3)
+    assert parse_nnodes("1:4") == (1, 4)
+    for bad in ("0", "4:2", "a", "1:2:3", ""):
+        with pytest.raises(ValueError, match="--nnodes"):
+            parse_nnodes(bad)
+
+
+def test_torchrun_args_single_node_is_standalone():
+    opts = LaunchOptions(script="train.py", script_args=("--config", "my cfg.json"))
+    argv = torchrun_args(opts, nproc_per_node=2, python="/py")
+    assert argv == [
+        "/py", "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+        "--nproc_per_node=2", "--max_restarts=0", "train.py", "--config", "my cfg.json",
+    ]
+    ns = _torchrun_parse(argv)
+    assert ns.standalone and ns.nnodes == "1" and ns.nproc_per_node == "2"
+    assert ns.training_script == "train.py" and ns.training_script_args == ["--config", "my cfg.json"]
+
+
+def test_torchrun_args_two_nodes_uses_c10d_at_master():
+    opts = LaunchOptions(script="t.py", nnodes="2", node_rank=1, master_addr="10.1.2.3",
+                         master_port=1234, max_restarts=3, rdzv_id="job7")
+    ns = _torchrun_parse(torchrun_args(opts, nproc_per_node=8))
+    assert not ns.standalone
+    assert (ns.nnodes, ns.rdzv_backend, ns.rdzv_endpoint) == ("2", "c10d", "10.1.2.3:1234")
+    assert (ns.node_rank, ns.rdzv_id, ns.max_restarts, ns.nproc_per_node) == (1, "job7", 3, "8")
+
+
+def test_torchrun_args_elastic_range_and_defaults():
+    opts = LaunchOptions(script="t.py", nnodes="1:4", master_addr="head")
+    ns = _torchrun_parse(torchrun_args(opts, nproc_per_node=1))
+    assert (ns.nnodes, ns.rdzv_endpoint) == ("1:4", "head:29500")
+    # a port alone on one node: c10d on loopback rather than standalone
+    ns = _torchrun_parse(torchrun_args(LaunchOptions(script="t.py", master_port=4321), 1))
+    assert (ns.nnodes, ns.rdzv_backend, ns.rdzv_endpoint) == ("1", "c10d", "127.0.0.1:4321")
+    ns = _torchrun_parse(torchrun_args(LaunchOptions(script="t.py", nnodes="2", master_addr="::1"), 1))
+    assert ns.rdzv_endpoint == "[::1]:29500"
+    ns = _torchrun_parse(torchrun_args(LaunchOptions(script="pkg.train", module=True), 1))
+    assert ns.module and ns.training_script == "pkg.train"
+
+
+def test_launch_options_errors():
+    with pytest.raises(ValueError, match="--master_addr"):
+        torchrun_args(LaunchOptions(script="t.py", nnodes="2"), nproc_per_node=1)
+    with pytest.raises(ValueError, match="--node_rank 2"):
+        LaunchOptions(script="t.py", nnodes="2", node_rank=2)
+    with pytest.raises(ValueError, match="--nproc 0"):
+        LaunchOptions(script="t.py", nproc=0)
+    with pytest.raises(ValueError, match="--master_port"):
+        LaunchOptions(script="t.py", master_port=70000)
+    with pytest.raises(ValueError, match="--max_restarts"):
+        LaunchOptions(script="t.py", max_restarts=-1)
+
+
+# ---------------------------------------------------------------------------
+# environment files and ssh commands
+
+
+def test_env_files_merge_and_errors(tmp_path):
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    (home / ".deepspeed_env").write_text("A=home\nB=home\n")
+    (cwd / ".deepspeed_env").write_text("# comment\nB=cwd-ds\nC='quoted value'\n")
+    (cwd / ".terascale_env").write_text("\nC=cwd ts = with equals\n")
+    assert load_env_files([home, cwd]) == {"A": "home", "B": "cwd-ds", "C": "cwd ts = with equals"}
+    assert load_env_files([tmp_path / "nowhere"]) == {}
+    with pytest.raises(ValueError, match="line 2"):
+        parse_env_file("A=1\nNOEQUALS\n")
+    with pytest.raises(ValueError, match="line 1"):
+        parse_env_file("1BAD=x\n")
+
+
+def test_remote_exports_selects_pythonpath_and_nccl():
+    environ = {"PYTHONPATH": "/x", "NCCL_DEBUG": "INFO", "NCCL_IB_HCA": "mlx5", "HOME": "/h", "XNCCL_": "no"}
+    got = remote_exports(environ, {"NCCL_DEBUG": "WARN", "MY_VAR": "1"})
+    assert got == {"NCCL_DEBUG": "WARN", "NCCL_IB_HCA": "mlx5", "PYTHONPATH": "/x", "MY_VAR": "1"}
+
+
+def _split_remote(remote: str) -> tuple[str, dict[str, str], list[str]]:
+    """Take `cd DIR && export K=V ... && exec ARGV` apart the way a shell would."""
+    tokens = shlex.split(remote)
+    assert tokens[0] == "cd" and tokens[2] == "&&"
+    cwd, rest = tokens[1], tokens[3:]
+    exports: dict[str, str] = {}
+    if rest[0] == "export":
+        end = rest.index("&&")
+        exports = dict(t.split("=", 1) for t in rest[1:end])
+        rest = rest[end + 1:]
+    assert rest[0] == "exec"
+    return cwd, exports, rest[1:]
+
+
+def test_ssh_commands_per_host(tmp_path):
+    (tmp_path / ".terascale_env").write_text("MY_VAR=has space's\n")
+    exports = remote_exports({"PYTHONPATH": "/repo", "NCCL_DEBUG": "INFO", "OTHER": "x"},
+                             load_env_files([tmp_path]))
+    pool = {"n0": 4, "n1": 4, "n2": 4}
+    hosts = select_resources(pool, exclude="n1@n2:1,3")
+    opts = LaunchOptions(script="/work dir/train.py", script_args=("--name", "a b", "it's"))
+    cmds = ssh_commands(opts, hosts, slots_per_host=pool, exports=exports, cwd="/work dir",
+                        rdzv_id="abc", python="/venv/bin/python")
+    assert len(cmds) == 2
+    for cmd, host in zip(cmds, ["n0", "n2"]):
+        assert cmd[0] == "ssh" and cmd[-2] == host and "BatchMode=yes" in cmd
+        cwd, env, argv = _split_remote(cmd[-1])
+        assert cwd == "/work dir"
+        assert env["PYTHONPATH"] == "/repo" and env["NCCL_DEBUG"] == "INFO"
+        assert env["MY_VAR"] == "has space's" and "OTHER" not in env
+        assert argv[0] == "/venv/bin/python"
+        ns = _torchrun_parse(argv)
+        # c10d assigns node ranks itself; torchrun would only warn about --node_rank
+        assert (ns.nnodes, ns.rdzv_backend) == ("2", "c10d") and "--node_rank" not in " ".join(argv)
+        assert (ns.rdzv_endpoint, ns.rdzv_id) == ("n0:29500", "abc")
+        assert ns.training_script == "/work dir/train.py"
+        assert ns.training_script_args == ["--name", "a b", "it's"]
+    # n0 uses all its slots; n2 only 0 and 2, so only n2 pins its devices
+    assert "CUDA_VISIBLE_DEVICES" not in _split_remote(cmds[0][-1])[1]
+    assert _split_remote(cmds[1][-1])[1]["CUDA_VISIBLE_DEVICES"] == "0,2"
+    assert _torchrun_parse(_split_remote(cmds[0][-1])[2]).nproc_per_node == "4"
+    assert _torchrun_parse(_split_remote(cmds[1][-1])[2]).nproc_per_node == "2"
+
+
+def test_ssh_commands_master_override_and_elastic():
+    pool = {"a": 1, "b": 1, "c": 1}
+    opts = LaunchOptions(script="t.py", nnodes="2:5", master_addr="10.0.0.1", master_port=5000)
+    cmds = ssh_commands(opts, select_resources(pool, nnodes="2:5"), slots_per_host=pool, exports={},
+                        cwd="/w", rdzv_id="r")
+    assert [c[-2] for c in cmds] == ["a", "b", "c"]
+    for cmd in cmds:
+        cwd, env, argv = _split_remote(cmd[-1])
+        assert env == {}
+        ns = _torchrun_parse(argv)
+        assert (ns.nnodes, ns.rdzv_endpoint) == ("2:3", "10.0.0.1:5000")
+
+
+# ---------------------------------------------------------------------------
+# CLI parsing and env report (in-process)
+
+
+def test_cli_parses_deepspeed_spellings():
+    ns = build_parser().parse_args(
+        ["run", "--num_gpus", "2", "--num_nodes", "1:2", "--master_addr", "h", "train.py", "--nproc", "9"])
+    assert (ns.nproc, ns.nnodes, ns.master_addr, ns.script) == (2, "1:2", "h", "train.py")
+    assert ns.script_args == ["--nproc", "9"]  # everything after the script belongs to it
+
+
+def test_cli_usage_errors(capsys):
+    assert main([]) == 2
+    assert main(["--help"]) == 0
+    assert "run" in capsys.readouterr().out
+    assert main(["run", "--include", "a", "train.py"]) == 2
+    assert "--hostfile" in capsys.readouterr().err
+    assert main(["run", "--nnodes", "2", "train.py"]) == 2
+    assert "--master_addr" in capsys.readouterr().err
+
+
+def test_env_report_table(tmp_path):
+    rows = dict(collect_env())
+    import torch
+
+    assert rows["torch"] == torch.__version__
+    assert rows["CUDA available"] in ("yes", "no")
+    assert "gloo=yes" in rows["distributed backends"]
+    assert rows["O_DIRECT in cwd"] == "yes" or rows["O_DIRECT in cwd"].startswith("no")
+    assert format_table([("a", "1"), ("long name", "2")]) == "a          1\nlong name  2"
+    assert odirect_status(tmp_path / "missing-dir").startswith("no")
+    assert list(tmp_path.iterdir()) == []  # the probe leaves nothing behind
+
+
+# ---------------------------------------------------------------------------
+# real runs: `python -m terascale ...` with torchrun underneath
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env["OMP_NUM_THREADS"] = "1"
+    env.pop("TS_TEST_MARKER", None)
+    env.update(extra)
+    return env
+
+
+def _start(args: list[str], cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+    # A session of its own so a timeout can kill the launcher with all its children.
+    return subprocess.Popen([sys.executable, "-m", "terascale", *args], cwd=cwd, env=env or _env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, deadline: float) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 1.0))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"launcher timed out; output:\n{out}")
+    return proc.returncode, out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _records(out_dir: Path) -> list[dict]:
+    return sorted((json.loads(p.read_text()) for p in out_dir.glob("rank*.json")), key=lambda r: r["rank"])
+
+
+def test_real_run_single_node_two_procs(tmp_path):
+    proc = _start(["run", "--nproc", "2", str(SCRIPTS / "allreduce_worker.py"), str(tmp_path), "x y"])
+    rc, out = _finish(proc, time.monotonic() + TIMEOUT_S)
+    assert rc == 0, out
+    recs = _records(tmp_path)
+    assert [r["rank"] for r in recs] == [0, 1]
+    assert all(r["world_size"] == 2 and r["result"] == 3.0 for r in recs)
+    assert sorted(r["local_rank"] for r in recs) == [0, 1]
+    assert all(r["argv"] == ["x y"] for r in recs)
+
+
+def test_real_run_two_nodes_on_localhost(tmp_path):
+    port = str(_free_port())
+    common = ["run", "--nnodes", "2", "--nproc", "1", "--master_addr", "127.0.0.1", "--master_port", port]
+    script = [str(SCRIPTS / "allreduce_worker.py"), str(tmp_path)]
+    procs = [_start([*common, "--node_rank", str(r), *script]) for r in (0, 1)]
+    deadline = time.monotonic() + TIMEOUT_S
+    results = [_finish(p, deadline) for p in procs]
+    for rc, out in results:
+        assert rc == 0, out
+    recs = _records(tmp_path)
+    assert [r["rank"] for r in recs] == [0, 1]
+    assert all(r["world_size"] == 2 and r["local_rank"] == 0 and r["result"] == 3.0 for r in recs)
+
+
+def _fake_ssh_env(tmp_path: Path) -> dict[str, str]:
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    # A wrapper rather than a link, so the test does not depend on the script's mode bits.
+    ssh = bindir / "ssh"
+    ssh.write_text(f"#!/bin/sh\nexec /bin/bash {shlex.quote(str(SCRIPTS / 'fake_ssh.sh'))} \"$@\"\n")
+    ssh.chmod(0o755)
+    home = tmp_path / "home"
+    home.mkdir()
+    return _env(PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}", HOME=str(home))
+
+
+def test_real_run_hostfile_over_fake_ssh(tmp_path):
+    """Two 'hosts' reached through a stand-in ssh that runs the remote command locally."""
+    env = _fake_ssh_env(tmp_path)
+    work, out_dir = tmp_path / "work dir", tmp_path / "out"
+    work.mkdir()
+    out_dir.mkdir()
+    (work / "hosts").write_text("nodeA slots=2\nnodeB slots=1\n")
+    (work / ".terascale_env").write_text("TS_TEST_MARKER=from env file\n")
+    proc = _start(["run", "--hostfile", "hosts", "--include", "nodeA:1@nodeB",
+                   "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+                   str(SCRIPTS / "record_env.py"), str(out_dir), "it's a b"], cwd=work, env=env)
+    rc, out = _finish(proc, time.monotonic() + TIMEOUT_S)
+    assert rc == 0, out
+    recs = _records(out_dir)
+    assert [r["rank"] for r in recs] == [0, 1] and all(r["world_size"] == 2 for r in recs)
+    assert all(r["marker"] == "from env file" and r["argv"] == ["it's a b"] for r in recs)
+    by_host = {r["fake_host"]: r for r in recs}
+    assert by_host["nodeA"]["cuda_visible_devices"] == "1"  # a subset of nodeA's two slots
+    assert by_host["nodeB"]["cuda_visible_devices"] is None
+    # streamed output carries the host prefix
+    assert "nodeA: rank" in out and "nodeB: rank" in out, out
+
+
+def test_real_env_command(capsys):
+    import torch
+
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert torch.__version__ in out and "O_DIRECT" in out and "memory" in out
+
+
+# ---------------------------------------------------------------------------
+# process supervision with plain commands (no torch, so fast)
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_run_remote_prefixes_output_and_succeeds():
+    out = io.StringIO()
+    rc = run_remote([("h1", _py("print('hello'); print('again')")), ("h2", _py("print('world')"))], out=out)
+    assert rc == 0
+    assert sorted(out.getvalue().splitlines()) == ["h1: again", "h1: hello", "h2: world"]
+
+
+def test_run_remote_failure_terminates_the_others(tmp_path, capsys):
+    flag = tmp_path / "slow-is-up"
+    slow = f"import pathlib, time; print('up', flush=True); pathlib.Path({str(flag)!r}).touch(); time.sleep(60)"
+    # "bad" fails only once "slow" runs, so the test sees a live process being stopped.
+    bad = f"import os, sys, time\nfor _ in range(600):\n    if os.path.exists({str(flag)!r}): sys.exit(3)\n" \
+          "    time.sleep(0.05)\nsys.exit(4)"
+    out = io.StringIO()
+    start = time.monotonic()
+    rc = run_remote([("slow", _py(slow)), ("bad", _py(bad))], out=out, grace_s=5.0)
+    assert rc == 3
+    assert time.monotonic() - start < 20  # "slow" was stopped, not waited for
+    assert "bad exited with code 3" in capsys.readouterr().err
+    assert "slow: up" in out.getvalue()
+
+
+def test_run_local_exit_codes():
+    assert run_local(_py("raise SystemExit(5)")) == 5
+    assert run_local(_py("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")) == 128 + 9
