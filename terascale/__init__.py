@@ -2,10 +2,37 @@
 
 One call (:func:`initialize`) and one DeepSpeed-compatible config file. See
 ``DESIGN.md`` for the architecture and ``README.md`` for the user guide.
+
+The public names are imported on first use, so that ``terascale --help`` and the
+launcher start without importing torch.
 """
 
-from terascale.config import Config, ConfigError, add_config_arguments
-from terascale.engine import Engine, initialize
+from __future__ import annotations
 
-__all__ = ["Config", "ConfigError", "Engine", "add_config_arguments", "initialize"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+_PUBLIC = {
+    "Config": "terascale.config",
+    "ConfigError": "terascale.config",
+    "add_config_arguments": "terascale.config",
+    "Engine": "terascale.engine",
+    "initialize": "terascale.engine",
+}
+__all__ = sorted(_PUBLIC)
+
+if TYPE_CHECKING:
+    from terascale.config import Config, ConfigError, add_config_arguments
+    from terascale.engine import Engine, initialize
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'terascale' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

@@ -2,7 +2,8 @@
 
 ``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes with torchrun's
 environment variables set, calls ``fn(*args)`` in each, and returns the per-rank return
-values (index = rank). An exception on any rank fails the test with that rank's traceback;
+values (index = rank). Ranks use one GPU each where there are enough GPUs, else the CPU.
+An exception on any rank fails the test with that rank's traceback;
 a hang fails after ``timeout`` seconds instead of blocking the suite.
 """
 
@@ -25,7 +26,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable, rank: int, world_size: int, port: int, results: mp.Queue, args: tuple) -> None:
+def _entry(
+    fn: Callable, rank: int, world_size: int, port: int, results: mp.Queue, args: tuple, device: str | None
+) -> None:
+    if device is not None:
+        os.environ["TERASCALE_DEVICE"] = device
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -54,11 +59,16 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, results: mp.Queu
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
     """Call ``fn(*args)`` on ``world_size`` spawned ranks; return their results by rank."""
+    import torch
+
+    # One process per GPU: where there are enough GPUs the ranks use them (NCCL), else
+    # every rank runs on the CPU (gloo).
+    device = None if torch.cuda.device_count() >= world_size else "cpu"
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(fn, rank, world_size, port, results, args), daemon=True)
+        ctx.Process(target=_entry, args=(fn, rank, world_size, port, results, args, device), daemon=True)
         for rank in range(world_size)
     ]
     for p in procs:
@@ -81,8 +91,6 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0)
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"{fn.__name__}: no result from some rank within {timeout:.0f}s") from None
             if ok:
-                import torch
-
                 out[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 errors.append(f"--- rank {rank} ---\n{value}")

@@ -621,8 +621,9 @@ def test_add_config_arguments() -> None:
     parser = argparse.ArgumentParser()
     assert add_config_arguments(parser) is parser
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json"])
-    assert args.config == "ds.json" and args.deepspeed and args.terascale
+    assert args.config == args.deepspeed_config == "ds.json" and args.deepspeed and args.terascale
     args = parser.parse_args(["--terascale", "--config", "ts.json"])
-    assert args.config == "ts.json" and args.deepspeed and args.terascale
+    assert args.config == args.deepspeed_config == "ts.json" and args.deepspeed and args.terascale
     args = parser.parse_args([])
-    assert args.config is None and not args.deepspeed and not args.terascale
+    assert args.config is None and args.deepspeed_config is None
+    assert not args.deepspeed and not args.terascale

@@ -53,12 +53,13 @@ def _train_rank(world: int, cases: list[tuple]) -> list:
                 micro_losses.append(loss.item())
         assert engine.global_steps == STEPS
         assert engine.global_samples == STEPS * global_batch
-        out.append((micro_losses, engine.full_state_dict()))
+        out.append((micro_losses, engine.full_state_dict(), str(engine.device)))
         engine.destroy()
     return out
 
 
-def _check(world: int, cases: list[tuple]) -> None:
+def _check(world: int, cases: list[tuple]) -> list[list[tuple]]:
+    """Train ``cases`` on ``world`` ranks, compare with the reference, return the rank results."""
     results = run_ranks(_train_rank, world, world, cases)
     for i, (gas, clip, tied, use_rare, extra) in enumerate(cases):
         case = f"world={world} gas={gas} clip={clip} tied={tied} use_rare={use_rare} {extra}"
@@ -81,6 +82,7 @@ def _check(world: int, cases: list[tuple]) -> None:
                 own_error = (ref_state[k].double() - exact_state[k]).abs().max().item()
                 atol = max(1e-6, 2 * own_error)
                 torch.testing.assert_close(state[k], ref_state[k], rtol=1e-5, atol=atol, msg=f"{case}: {k}")
+    return results
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

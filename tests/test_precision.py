@@ -136,11 +136,11 @@ def test_fp16_static_scale_skips_overflow_without_changing_scale():
     assert [r[1] for r in record] == [0, 0, 1, 2, 3, 3, 3, 3]
 
 
-def _bf16_rank(steps: int):
+def _bf16_rank(steps: int, micro: int = 4):
     import terascale
 
     config = {
-        "train_micro_batch_size_per_gpu": 4,
+        "train_micro_batch_size_per_gpu": micro,
         "steps_per_print": 1000,
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
@@ -151,8 +151,8 @@ def _bf16_rank(steps: int):
     x, y = make_data(steps, 8)
     losses = []
     for s in range(steps):
-        lo = engine.dist.dp_rank * 4
-        loss = engine(x[s, lo : lo + 4].bfloat16(), y[s, lo : lo + 4])
+        lo = engine.dist.dp_rank * micro
+        loss = engine(x[s, lo : lo + micro].bfloat16(), y[s, lo : lo + micro])
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -162,7 +162,10 @@ def _bf16_rank(steps: int):
 def test_bf16_trains_close_to_fp32():
     steps = 12
     (l0, state), (l1, _) = run_ranks(_bf16_rank, 2, steps)
-    bf16_losses = [(a + b) / 2 for a, b in zip(l0, l1)]
+    check_bf16_close_to_fp32([(a + b) / 2 for a, b in zip(l0, l1)], state, steps)
+
+
+def check_bf16_close_to_fp32(bf16_losses: list[float], state: dict, steps: int) -> None:
     ref_losses, ref_state = reference_train(steps, 8, lr=1e-2, weight_decay=0.01, clip=0.0)
     for a, b in zip(bf16_losses, ref_losses):
         assert math.isclose(a, b, rel_tol=0.05), (bf16_losses, ref_losses)

@@ -74,15 +74,22 @@ def init_distributed(
     the environment; with no environment it creates a one-process group, so the rest of
     terascale always has a real group to pass to collectives. An already-initialised
     default group is reused as is. The device is ``cuda:LOCAL_RANK`` when CUDA is
-    available, else the CPU; ``device`` overrides it.
+    available, else the CPU; the ``TERASCALE_DEVICE`` environment variable (``cpu`` or
+    ``cuda``) and then the ``device`` argument override that choice.
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device is None:
-        device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        device = os.environ.get("TERASCALE_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(device)
     if device.type == "cuda":
         if device.index is None:
             device = torch.device("cuda", local_rank)
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"this process wants {device} (LOCAL_RANK={local_rank}) but {torch.cuda.device_count()} "
+                "CUDA device(s) are visible: start at most one process per GPU (terascale run --nproc), "
+                "or set TERASCALE_DEVICE=cpu to train on the CPU"
+            )
         torch.cuda.set_device(device)
 
     if not dist.is_initialized():

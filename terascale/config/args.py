@@ -28,11 +28,28 @@ class _EnableEngine(argparse.Action):
         namespace.deepspeed = True
 
 
+class _ConfigPath(argparse.Action):
+    """``--config`` and ``--deepspeed_config`` store the path in both attributes.
+
+    DeepSpeed scripts read ``args.deepspeed_config``; terascale reads ``args.config``.
+    """
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        namespace.config = values
+        namespace.deepspeed_config = values
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add terascale's flags to ``parser`` and return it.
 
     ``--config`` (alias ``--deepspeed_config``, as in DeepSpeed scripts) is the config path,
-    stored in ``args.config``; ``--terascale`` / ``--deepspeed`` are store-true switches a
+    stored in both ``args.config`` and ``args.deepspeed_config``; ``--terascale`` / ``--deepspeed`` are store-true switches a
     script may use to turn terascale on, stored in both ``args.terascale`` and
     ``args.deepspeed``.
     """
@@ -53,8 +70,10 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "--config",
         "--deepspeed_config",
         dest="config",
+        action=_ConfigPath,
         type=str,
         default=None,
         help="path to a terascale / DeepSpeed JSON config file",
     )
+    parser.set_defaults(deepspeed_config=None)
     return parser

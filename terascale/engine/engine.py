@@ -193,7 +193,10 @@ class Engine(nn.Module):
         if overflow:
             self.skipped_steps += 1
             self._step_applied = False
-            logger.info("fp16 overflow at step %d: step skipped, loss scale now %g", self.global_steps, scale)
+            logger.info(
+                "fp16 overflow at step %d: step skipped, loss scale %g -> %g",
+                self.global_steps, scale, self.loss_scaler.scale,
+            )
         else:
             if clip > 0:
                 clip_grads_(grads, clip, norm)

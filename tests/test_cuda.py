@@ -1,0 +1,55 @@
+"""The CUDA path: NCCL, device placement and low precision on a GPU, same checks as on CPU.
+
+CI has no GPU and skips these; they run wherever one is visible (the lent GPU machines).
+Multi-rank tests elsewhere in the suite use one GPU per rank when there are enough GPUs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import test_engine_parity as parity
+import test_precision as precision
+from distributed import run_ranks
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_stage0_on_cuda_matches_cpu_reference():
+    # fp32 on the GPU (TF32 off, PyTorch's default for matmul) against plain PyTorch on the
+    # CPU: accumulation, clipping, a tied weight and a parameter unused on some steps.
+    results = parity._check(1, [(3, 0.05, False, False, {}), (2, 0.05, True, True, {})])
+    assert all(r[2] == "cuda:0" for r in results[0])
+
+
+def _backend_and_dtypes() -> tuple[str, str, list[str]]:
+    import torch.distributed as dist
+
+    import terascale
+    from toy import make_model
+
+    config = {"train_batch_size": 4, "fp16": {"enabled": True}, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    engine, optimizer, *_ = terascale.initialize(model=make_model(), config=config)
+    masters = sorted({str(p.dtype) for g in optimizer.param_groups for p in g["params"]})
+    devices = {str(p.device) for p in engine.module.parameters()}
+    assert devices == {"cuda:0"}, devices
+    return dist.get_backend(), str(next(engine.module.parameters()).dtype), masters
+
+
+def test_cuda_uses_nccl_fp16_params_fp32_masters():
+    backend, param_dtype, masters = run_ranks(_backend_and_dtypes, 1)[0]
+    assert backend == "nccl"
+    assert param_dtype == "torch.float16" and masters == ["torch.float32"]
+
+
+def test_bf16_on_cuda_trains_close_to_fp32():
+    steps = 12
+    losses, state = run_ranks(precision._bf16_rank, 1, steps, 8)[0]
+    precision.check_bf16_close_to_fp32(losses, state, steps)
+
+
+def test_fp16_dynamic_scaling_on_cuda():
+    record = run_ranks(precision._fp16_rank, 1, False)[0]
+    assert [r[1] for r in record] == [0, 0, 1, 2, 3, 3, 3, 3]
+    assert [r[0] for r in record] == [256.0, 512.0, 512.0, 256.0, 128.0, 128.0, 256.0, 256.0]
