@@ -36,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None,
                    help="optimizer steps (default: the config scheduler's total_num_steps)")
     p.add_argument("--max-bytes", type=int, default=4_000_000, help="corpus size cap in bytes")
+    p.add_argument("--eval-every", type=int, default=50, help="evaluate on held-out data every N steps")
     p.add_argument("--eval-batches", type=int, default=8, help="held-out micro-batches per rank per evaluation")
     p.add_argument("--sample-tokens", type=int, default=300, help="bytes to generate at the end")
     p.add_argument("--prompt", default="def ", help="prompt for the generated sample")
@@ -93,7 +94,7 @@ def save_loss_plot(path: Path, losses: list[float], evals: list[tuple[int, float
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(range(1, len(losses) + 1), losses, lw=1, label="train loss (mean over ranks)")
     if evals:
-        ax.plot(*zip(*evals), "o--", label="held-out loss")
+        ax.plot(*zip(*evals), "o", label="held-out loss")
     ax.axhline(math.log(256), color="grey", lw=0.8, ls=":", label="uniform over 256 bytes")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats/byte)")
@@ -173,8 +174,13 @@ def main(argv: list[str] | None = None) -> dict:
             refresh=False,
         )
         bar.update(1)
+        if engine.global_steps % args.eval_every == 0 or engine.global_steps == steps:
+            held = evaluate(engine, held_out, engine.micro_batch_size, args.eval_batches)
+            evals.append((engine.global_steps, held))
+            if is_main:
+                bar.write(f"step {engine.global_steps}: train loss {step_loss:.3f}, held-out loss {held:.3f}")
+            t0 = time.perf_counter()  # evaluation time is not training time
     bar.close()
-    evals.append((steps, evaluate(engine, held_out, engine.micro_batch_size, args.eval_batches)))
 
     # Throughput excludes the first step (warm-up: allocator, lazy init, first collectives).
     timed = step_times[1:] or step_times
