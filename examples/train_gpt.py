@@ -225,6 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
             flush=True,
         )
     engine.destroy()
+    dist.barrier(group=engine.dp_group)  # no rank tears the group down while a peer still uses it
     dist.destroy_process_group()
     return metrics
 

@@ -18,30 +18,32 @@ from terascale.config.section import Section
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
 
-class OffloadParamConfig(Section):
-    """``zero_optimization.offload_param``: where stage-3 parameter shards live between uses."""
+class _OffloadTarget(Section):
+    """What both offload sections share: the device, the NVMe directory, pinned buffers."""
 
     device: OffloadDevice = "none"
     nvme_path: Path | None = None
-    buffer_count: int = Field(5, ge=0)
-    buffer_size: int = Field(100_000_000, ge=0)
-    max_in_cpu: int = Field(1_000_000_000, ge=0)
     pin_memory: bool = False
 
     @model_validator(mode="after")
-    def _nvme_needs_path(self) -> OffloadParamConfig:
+    def _nvme_needs_path(self) -> _OffloadTarget:
         if self.device == "nvme" and self.nvme_path is None:
             raise ValueError("nvme_path is required when device is 'nvme'; set it to a directory")
         return self
 
 
-class OffloadOptimizerConfig(Section):
+class OffloadParamConfig(_OffloadTarget):
+    """``zero_optimization.offload_param``: where stage-3 parameter shards live between uses."""
+
+    buffer_count: int = Field(5, ge=0)
+    buffer_size: int = Field(100_000_000, ge=0)
+    max_in_cpu: int = Field(1_000_000_000, ge=0)
+
+
+class OffloadOptimizerConfig(_OffloadTarget):
     """``zero_optimization.offload_optimizer``: where optimizer state lives and steps."""
 
-    device: OffloadDevice = "none"
-    nvme_path: Path | None = None
     buffer_count: int = Field(4, ge=0)
-    pin_memory: bool = False
     pipeline_read: bool = False
     pipeline_write: bool = False
     fast_init: bool = False
@@ -54,12 +56,6 @@ class OffloadOptimizerConfig(Section):
     def pipeline(self) -> bool:
         """True when NVMe reads or writes of neighbouring tiles overlap the optimizer step."""
         return self.pipeline_read or self.pipeline_write
-
-    @model_validator(mode="after")
-    def _nvme_needs_path(self) -> OffloadOptimizerConfig:
-        if self.device == "nvme" and self.nvme_path is None:
-            raise ValueError("nvme_path is required when device is 'nvme'; set it to a directory")
-        return self
 
 
 class ZeroConfig(Section):

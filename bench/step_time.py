@@ -1,0 +1,214 @@
+"""Step time of terascale against plain DDP, side by side, on the same GPT and data.
+
+    python bench/step_time.py                      # 2 ranks x 1 thread, 3 interleaved repeats
+    python bench/step_time.py --repeats 5 --steps 30 --width 768
+
+The driver starts one ``torchrun`` job per (system, repeat), interleaving systems and
+rotating their order so that the machine's drift and noise fall on all of them alike. Each
+job trains the same GPT (``examples/gpt``) from the same seed on the same random tokens
+and reports its per-step times, losses and peak memory per rank. The driver prints a
+markdown table: median ms/step (and the spread of the per-repeat medians), the ratio to
+DDP, peak memory per rank, and the largest loss difference from DDP, which must stay
+within fp32 rounding (the run fails otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEMS = ("ddp", "terascale-0")
+LR = 1e-3
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: system to run
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)  # internal: JSON path
+    return p.parse_args(argv)
+
+
+# -- one training job (runs under torchrun) ------------------------------------------------
+
+
+def _model(args: argparse.Namespace):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import torch
+    from gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
+                    n_embd=args.width)
+    return GPT(cfg)
+
+
+def _ddp(args: argparse.Namespace, model, device):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = model.to(device)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
+
+    def step(x, y):
+        loss = ddp(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def _terascale(args: argparse.Namespace, model, device):
+    import terascale
+
+    config = {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 0},
+    }
+    engine, *_ = terascale.initialize(model=model, config=config)
+
+    def step(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return step
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from terascale.comm import init_distributed
+
+    torch.set_num_threads(args.threads)
+    ctx = init_distributed()  # the same group set-up for every system
+    device, rank, world = ctx.device, ctx.rank, ctx.world_size
+    model = _model(args)
+    step = {"ddp": _ddp, "terascale-0": _terascale}[args.worker](args, model, device)
+
+    # Real text (stdlib source bytes, ids < 256 of the vocabulary) so the loss falls and the
+    # loss-agreement check compares learning curves, not noise around a random-token plateau.
+    from gpt import load_stdlib_corpus
+
+    rows_needed = args.steps * world * args.micro_batch
+    text = load_stdlib_corpus(max_bytes=rows_needed * (args.seq + 1) * 2, seed=1).train.long()
+    tokens = text[: rows_needed * (args.seq + 1)].view(args.steps, world * args.micro_batch, args.seq + 1)
+    times, losses = [], []
+    for s in range(args.steps):
+        rows = tokens[s, rank * args.micro_batch : (rank + 1) * args.micro_batch].to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        loss = step(rows[:, :-1], rows[:, 1:])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    if device.type == "cuda":
+        peak_mib = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    peaks = [None] * world
+    dist.all_gather_object(peaks, peak_mib)
+    if rank == 0:
+        Path(args.result).write_text(json.dumps({"times": times, "losses": losses, "peak_mib": peaks,
+                                                 "device": device.type}))
+    # Every rank leaves its last collective before any rank tears the group down: gloo can
+    # abort a rank whose peer closes its sockets first.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# -- the driver -----------------------------------------------------------------------------
+
+
+def run_job(args: argparse.Namespace, system: str, result: Path) -> dict:
+    forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                 if k not in ("systems", "nproc", "repeats", "worker", "result")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           __file__, f"--worker={system}", f"--result={result}", *forwarded]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{system} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(result.read_text())
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        raise SystemExit(f"unknown systems {unknown}; choose from {SYSTEMS}")
+    if args.steps <= args.warmup:
+        raise SystemExit("--steps must exceed --warmup")
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.repeats):
+            order = systems[r % len(systems):] + systems[: r % len(systems)]
+            for system in order:
+                res = run_job(args, system, Path(tmp) / f"{system}-{r}.json")
+                runs[system].append(res)
+                med = statistics.median(res["times"][args.warmup:]) * 1e3
+                print(f"repeat {r} {system:12s} median {med:8.1f} ms/step", file=sys.stderr, flush=True)
+
+    base = "ddp" if "ddp" in runs else systems[0]
+    base_ms = statistics.median(t for res in runs[base] for t in res["times"][args.warmup:]) * 1e3
+    base_losses = runs[base][0]["losses"]
+    print(f"\nGPT {args.layers} layers x {args.width}, vocab {args.vocab}, micro-batch {args.micro_batch} x "
+          f"{args.seq} tokens, {args.nproc} ranks x {args.threads} thread(s), fp32, {runs[base][0]['device']}, "
+          f"{args.repeats} interleaved repeats x {args.steps - args.warmup} timed steps\n")
+    print("| system | ms/step (median) | per-repeat medians | ratio to " + base
+          + " | peak memory/rank (MiB) | loss step 1 → last | max Δloss vs " + base + " |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    worst = 0.0
+    for system in systems:
+        all_times = [t for res in runs[system] for t in res["times"][args.warmup:]]
+        ms = statistics.median(all_times) * 1e3
+        per_rep = [statistics.median(res["times"][args.warmup:]) * 1e3 for res in runs[system]]
+        peaks = max((res["peak_mib"] for res in runs[system]), key=max)
+        losses = runs[system][0]["losses"]
+        diff = max(abs(a - b) for res in runs[system] for a, b in zip(res["losses"], base_losses))
+        worst = max(worst, diff)
+        print(f"| {system} | {ms:.1f} | {min(per_rep):.1f}–{max(per_rep):.1f} | {ms / base_ms:.3f} | "
+              f"{' / '.join(f'{p:.0f}' for p in peaks)} | {losses[0]:.5f} → {losses[-1]:.5f} | {diff:.1e} |")
+    if worst > 1e-4:
+        raise SystemExit(f"loss curves disagree by {worst:.2e} (> 1e-4): a system trains differently")
+
+
+if __name__ == "__main__":
+    main()
