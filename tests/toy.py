@@ -62,11 +62,12 @@ def reference_train(
     tied: bool = False,
     use_rare: bool = False,
     dtype: torch.dtype = torch.float32,
+    data_seed: int = 1,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain single-process PyTorch: full global batch per step, AdamW, clip_grad_norm_."""
     model = make_model(tied=tied).to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    x, y = make_data(steps, global_batch)
+    x, y = make_data(steps, global_batch, seed=data_seed)
     x = x.to(dtype)
     losses = []
     for s in range(steps):
