@@ -9,7 +9,7 @@ job trains the same GPT (``examples/gpt``) from the same seed on the same random
 and reports its per-step times, losses and peak memory per rank. The driver prints a
 markdown table: median ms/step (and the spread of the per-repeat medians), the ratio to
 DDP, peak memory per rank, and the largest loss difference from DDP, which must stay
-within fp32 rounding (the run fails otherwise).
+within fp32 rounding (the run fails otherwise); every run's raw numbers go to ``--json``.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--json", default="runs/bench/step_time.json",
+                   help="where to write every run's per-step times, losses and memory")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: system to run
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)  # internal: JSON path
     return p.parse_args(argv)
@@ -154,7 +156,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def run_job(args: argparse.Namespace, system: str, result: Path) -> dict:
     forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k not in ("systems", "nproc", "repeats", "worker", "result")]
+                 if k not in ("systems", "nproc", "repeats", "worker", "result", "json")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            __file__, f"--worker={system}", f"--result={result}", *forwarded]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
@@ -185,6 +187,11 @@ def main(argv: list[str] | None = None) -> None:
                 runs[system].append(res)
                 med = statistics.median(res["times"][args.warmup:]) * 1e3
                 print(f"repeat {r} {system:12s} median {med:8.1f} ms/step", file=sys.stderr, flush=True)
+
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
 
     base = "ddp" if "ddp" in runs else systems[0]
     base_ms = statistics.median(t for res in runs[base] for t in res["times"][args.warmup:]) * 1e3
