@@ -1,7 +1,7 @@
 """Process groups and collectives over explicit groups (the bottom layer)."""
 
 from terascale.comm.buckets import GradientBuckets, ReducePolicy
-from terascale.comm.collectives import all_reduce_flag, broadcast_tensors
+from terascale.comm.collectives import all_gather_flat, all_reduce_flag, broadcast_tensors, reduce_scatter_flat
 from terascale.comm.groups import DistributedContext, ModelParallelUnit, init_distributed
 
 __all__ = [
@@ -9,7 +9,9 @@ __all__ = [
     "GradientBuckets",
     "ModelParallelUnit",
     "ReducePolicy",
+    "all_gather_flat",
     "all_reduce_flag",
     "broadcast_tensors",
     "init_distributed",
+    "reduce_scatter_flat",
 ]

@@ -57,3 +57,29 @@ def all_reduce_flag(flag: bool | torch.Tensor, group: ProcessGroup, device: torc
     if dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item() > 0)
+
+
+# torch 2.13 renamed the flat collectives (``*_single``) and deprecated the old names;
+# torch 2.4, the oldest supported, has only the old ones.
+_ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_FLAT = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_flat(
+    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool = False
+) -> dist.Work | None:
+    """Fill ``output`` (``world * shard.numel()`` elements) with every rank's ``shard``, in rank order."""
+    assert output.numel() == shard.numel() * dist.get_world_size(group)
+    return _ALL_GATHER_FLAT(output, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(
+    output: torch.Tensor, full: torch.Tensor, group: ProcessGroup, async_op: bool = False
+) -> dist.Work | None:
+    """Sum ``full`` over the ranks of ``group``; this rank keeps its slice of the sum in ``output``.
+
+    Rank r receives elements ``[r * n, (r + 1) * n)`` with ``n = output.numel()``.
+    """
+    assert full.numel() == output.numel() * dist.get_world_size(group)
+    return _REDUCE_SCATTER_FLAT(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+

@@ -1,0 +1,257 @@
+"""A group of parameters as one flat buffer, sharded over the data-parallel ranks.
+
+[Note: flat shards]
+The parameters of one group (e.g. one transformer block) lie back to back in one flat
+buffer, padded at the end to a multiple of the world size N; rank r owns the elements
+``[r*S, (r+1)*S)`` with ``S = padded / N``, so a parameter may straddle two ranks'
+shards (:class:`Fragment` says which part of which parameter a rank owns). The group is
+the unit of all-gather, reduce-scatter and, later, of offload I/O and the optimizer step.
+
+While the group is UNSHARDED every parameter's ``.data`` is a view into the full buffer:
+the user's ``nn.Parameter`` objects, their names and the module code stay untouched, and
+nothing is attached to them. Resharding frees the full buffer by resizing its storage to
+zero bytes and points each parameter's ``.data`` at an empty tensor, so code that touches
+a sharded parameter sees zero elements and fails on the shape, instead of reading freed
+memory. The views, and every reference autograd saved for backward, remain aliases of
+the buffer's storage and see the parameters again once the next all-gather has refilled
+it and the parameters point back at their views.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from terascale.comm.collectives import all_gather_flat, reduce_scatter_flat
+
+
+class ShardState(enum.Enum):
+    SHARDED = "sharded"  # only this rank's shard holds data; the full buffer's storage is freed
+    GATHERING = "gathering"  # an all-gather into the full buffer is in flight
+    UNSHARDED = "unsharded"  # the full buffer holds every parameter; parameters are views of it
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in the flat (unpadded) buffer."""
+
+    name: str
+    shape: torch.Size
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """The part of parameter ``slot`` held by one rank's shard.
+
+    Elements ``[start, end)`` of the flattened parameter sit at ``[shard_offset,
+    shard_offset + end - start)`` of the shard.
+    """
+
+    slot: int
+    start: int
+    end: int
+    shard_offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """The flat buffer's layout: parameter slots in order, padded to ``world_size`` shards."""
+
+    slots: tuple[ParamSlot, ...]
+    world_size: int
+
+    @staticmethod
+    def build(named_shapes: Sequence[tuple[str, torch.Size]], world_size: int) -> FlatLayout:
+        if not named_shapes:
+            raise ValueError("a parameter group needs at least one parameter")
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        slots, offset = [], 0
+        for name, shape in named_shapes:
+            numel = math.prod(shape)
+            slots.append(ParamSlot(name, torch.Size(shape), offset, numel))
+            offset += numel
+        return FlatLayout(tuple(slots), world_size)
+
+    @property
+    def numel(self) -> int:
+        """Elements of all parameters, without padding."""
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def shard_numel(self) -> int:
+        return max(1, math.ceil(self.numel / self.world_size))
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """Rank ``rank``'s elements ``[start, end)`` of the padded flat buffer."""
+        assert 0 <= rank < self.world_size
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def fragments(self, rank: int) -> tuple[Fragment, ...]:
+        """The parts of parameters inside rank ``rank``'s shard, in buffer order."""
+        lo, hi = self.shard_range(rank)
+        out = []
+        for i, slot in enumerate(self.slots):
+            start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if start < end:
+                out.append(Fragment(i, start - slot.offset, end - slot.offset, start - lo))
+        return tuple(out)
+
+
+class FlatParamGroup:
+    """``named_params`` flattened into one buffer and sharded over the ranks of ``group``.
+
+    Construction copies the parameters into the full buffer, points each parameter's
+    ``.data`` at its view of it, and keeps a private copy of this rank's shard
+    (``self.shard``). The group starts UNSHARDED; :meth:`reshard` frees the full buffer
+    and :meth:`unshard` all-gathers it back from every rank's shard.
+    """
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        group: ProcessGroup,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        if not named_params:
+            raise ValueError("a parameter group needs at least one parameter")
+        self.names = tuple(n for n, _ in named_params)
+        self.params = tuple(p for _, p in named_params)
+        if len({id(p) for p in self.params}) != len(self.params):
+            raise ValueError(f"a parameter appears twice in one group: {self.names}")
+        dtypes = {p.dtype for p in self.params}
+        if dtype is None and len(dtypes) > 1:
+            raise ValueError(
+                f"parameters of one group must share a dtype, got {sorted(map(str, dtypes))} in "
+                f"{self.names}; pass dtype= to cast them"
+            )
+        self.dtype = dtype or self.params[0].dtype
+        self.device = torch.device(device) if device is not None else self.params[0].device
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.layout = FlatLayout.build([(n, p.shape) for n, p in named_params], dist.get_world_size(group))
+
+        self._full = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for slot, p in zip(self.layout.slots, self.params):
+                self._full[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+        self._views = tuple(
+            self._full[slot.offset : slot.offset + slot.numel].view(slot.shape) for slot in self.layout.slots
+        )
+        self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        self._point_params_at(self._views)
+        self._full_nbytes = self._full.untyped_storage().nbytes()
+        lo, hi = self.layout.shard_range(self.rank)
+        self.shard = self._full[lo:hi].clone()
+        self.state = ShardState.UNSHARDED
+        self._work: dist.Work | None = None
+
+    # -- gathering and freeing -------------------------------------------------------------
+
+    def reshard(self) -> None:
+        """Free the full buffer; parameters hold empty tensors until :meth:`unshard`."""
+        assert self.state is ShardState.UNSHARDED, f"reshard from {self.state}"
+        self._point_params_at([self._empty] * len(self.params))
+        self._full.untyped_storage().resize_(0)
+        self.state = ShardState.SHARDED
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Re-allocate the full buffer and all-gather every rank's shard into it.
+
+        With ``async_op`` the group is GATHERING until :meth:`wait`. A no-op when the
+        group is already UNSHARDED or GATHERING.
+        """
+        if self.state is not ShardState.SHARDED:
+            return
+        self._full.untyped_storage().resize_(self._full_nbytes)
+        if self.layout.world_size == 1:
+            self._full.copy_(self.shard)
+        else:
+            self._work = all_gather_flat(self._full, self.shard, self.group, async_op=async_op)
+        self.state = ShardState.GATHERING
+        if not async_op:
+            self.wait()
+
+    def wait(self) -> None:
+        """Finish an in-flight :meth:`unshard` (no-op otherwise)."""
+        if self.state is ShardState.GATHERING:
+            if self._work is not None:
+                self._work.wait()
+                self._work = None
+            self._point_params_at(self._views)
+            self.state = ShardState.UNSHARDED
+
+    def _point_params_at(self, tensors: Sequence[torch.Tensor]) -> None:
+        # ``.data`` assignment swaps what the Parameter object holds; its identity, name,
+        # hooks and autograd version counter stay.
+        for p, t in zip(self.params, tensors):
+            p.data = t
+
+    @torch.no_grad()
+    def update_shard_from_full(self) -> None:
+        """Copy this rank's slice of the (modified) full parameters into its shard."""
+        assert self.state is ShardState.UNSHARDED, f"update_shard_from_full from {self.state}"
+        lo, hi = self.layout.shard_range(self.rank)
+        self.shard.copy_(self._full[lo:hi])
+
+    # -- gradients -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def flat_grad(self, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        """The parameters' ``.grad`` laid out like the full buffer (zeros where None), or None.
+
+        None when no parameter of the group has a gradient on this rank.
+        """
+        if all(p.grad is None for p in self.params):
+            return None
+        out = torch.zeros(self.layout.padded_numel, dtype=dtype or self.dtype, device=self.device)
+        for slot, p in zip(self.layout.slots, self.params):
+            if p.grad is not None:
+                out[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
+        return out
+
+    def reduce_scatter_grad(
+        self, flat_grad: torch.Tensor, out: torch.Tensor, async_op: bool = False
+    ) -> dist.Work | None:
+        """Sum ``flat_grad`` (full layout) over the ranks; this rank's slice lands in ``out``."""
+        assert flat_grad.numel() == self.layout.padded_numel and out.numel() == self.layout.shard_numel
+        if self.layout.world_size == 1:
+            out.copy_(flat_grad)
+            return None
+        return reduce_scatter_flat(out, flat_grad, self.group, async_op=async_op)
+
+    # -- what this rank owns -----------------------------------------------------------------
+
+    def owned_fragments(self) -> list[tuple[nn.Parameter, Fragment]]:
+        """Each parameter part in this rank's shard, with the parameter it belongs to."""
+        return [(self.params[f.slot], f) for f in self.layout.fragments(self.rank)]
+
+    @property
+    def full_buffer(self) -> torch.Tensor:
+        """The padded full buffer (its storage is empty while SHARDED)."""
+        return self._full
+
+    def __repr__(self) -> str:
+        return (
+            f"FlatParamGroup({len(self.params)} params, {self.layout.numel} elements, "
+            f"shard {self.layout.shard_numel} x {self.layout.world_size}, {self.state.value})"
+        )
