@@ -25,8 +25,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import terascale
-from gpt import DEMO_CONFIG, GPT, ByteBlocks, GPTConfig, decode, encode, flops_per_iteration
-from gpt import load_stdlib_corpus
+from gpt import DEMO_CONFIG, GPT, ByteBlocks, GPTConfig, decode, encode, flops_per_iteration, load_stdlib_corpus
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,9 +58,9 @@ def memory_mib(device: torch.device) -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-def gather_stats(engine: terascale.Engine, loss: float, device: torch.device) -> tuple[float, list[float]]:
+def gather_stats(engine: terascale.Engine, loss: float) -> tuple[float, list[float]]:
     """(loss averaged over the data-parallel ranks, memory of every rank in MiB): one collective."""
-    mine = torch.tensor([loss, memory_mib(device)], dtype=torch.float64, device=engine.device)
+    mine = torch.tensor([loss, memory_mib(engine.device)], dtype=torch.float64, device=engine.device)
     everyone = [torch.empty_like(mine) for _ in range(engine.dist.dp_world_size)]
     dist.all_gather(everyone, mine, group=engine.dp_group)
     rows = torch.stack(everyone).cpu()
@@ -160,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
         engine.step()
         if not boundary:
             continue
-        step_loss, mem = gather_stats(engine, window_loss, device)
+        step_loss, mem = gather_stats(engine, window_loss)
         now = time.perf_counter()
         step_times.append(now - t0)
         losses.append(step_loss)

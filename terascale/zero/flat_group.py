@@ -132,8 +132,7 @@ class FlatParamGroup:
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
     ) -> None:
-        if not named_params:
-            raise ValueError("a parameter group needs at least one parameter")
+        self.layout = FlatLayout.build([(n, p.shape) for n, p in named_params], dist.get_world_size(group))
         self.names = tuple(n for n, _ in named_params)
         self.params = tuple(p for _, p in named_params)
         if len({id(p) for p in self.params}) != len(self.params):
@@ -148,7 +147,6 @@ class FlatParamGroup:
         self.device = torch.device(device) if device is not None else self.params[0].device
         self.group = group
         self.rank = dist.get_rank(group)
-        self.layout = FlatLayout.build([(n, p.shape) for n, p in named_params], dist.get_world_size(group))
 
         self._full = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
@@ -159,7 +157,6 @@ class FlatParamGroup:
         )
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
         self._point_params_at(self._views)
-        self._full_nbytes = self._full.untyped_storage().nbytes()
         lo, hi = self.layout.shard_range(self.rank)
         self.shard = self._full[lo:hi].clone()
         self.state = ShardState.UNSHARDED
@@ -182,7 +179,7 @@ class FlatParamGroup:
         """
         if self.state is not ShardState.SHARDED:
             return
-        self._full.untyped_storage().resize_(self._full_nbytes)
+        self._full.untyped_storage().resize_(self.layout.padded_numel * self._full.element_size())
         if self.layout.world_size == 1:
             self._full.copy_(self.shard)
         else:
