@@ -35,9 +35,13 @@ class MLP(nn.Module):
         return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), y)
 
 
-def make_model(seed: int = 0, tied: bool = False) -> MLP:
+def make_model(seed: int = 0, tied: bool = False, frozen: bool = False) -> MLP:
+    """The MLP; ``frozen`` freezes the input layer (partial training, as with adapters)."""
     torch.manual_seed(seed)
-    return MLP(tied=tied)
+    model = MLP(tied=tied)
+    if frozen:
+        model.inp.requires_grad_(False)
+    return model
 
 
 def make_data(steps: int, global_batch: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,18 +67,29 @@ def reference_train(
     use_rare: bool = False,
     dtype: torch.dtype = torch.float32,
     data_seed: int = 1,
+    frozen: bool = False,
+    zero_unused_grads: bool = False,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Plain single-process PyTorch: full global batch per step, AdamW, clip_grad_norm_."""
-    model = make_model(tied=tied).to(dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    """Plain single-process PyTorch: full global batch per step, AdamW, clip_grad_norm_.
+
+    ``zero_unused_grads`` gives a trainable parameter that got no gradient a zero one
+    (ZeRO's semantics) instead of leaving it ``None`` (skipped by AdamW).
+    """
+    model = make_model(tied=tied, frozen=frozen).to(dtype)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
     x, y = make_data(steps, global_batch, seed=data_seed)
     x = x.to(dtype)
     losses = []
     for s in range(steps):
         loss = model(x[s], y[s], use_rare=use_rare and rare_step(s))
         loss.backward()
+        if zero_unused_grads:
+            for p in trainable:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
         if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            torch.nn.utils.clip_grad_norm_(trainable, clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())

@@ -2,7 +2,7 @@
 
 from terascale.comm.buckets import GradientBuckets, ReducePolicy
 from terascale.comm.collectives import all_gather_flat, all_reduce_flag, broadcast_tensors, reduce_scatter_flat
-from terascale.comm.groups import DistributedContext, ModelParallelUnit, init_distributed
+from terascale.comm.groups import DistributedContext, ModelParallelUnit, duplicate_group, init_distributed
 
 __all__ = [
     "DistributedContext",
@@ -12,6 +12,7 @@ __all__ = [
     "all_gather_flat",
     "all_reduce_flag",
     "broadcast_tensors",
+    "duplicate_group",
     "init_distributed",
     "reduce_scatter_flat",
 ]

@@ -83,3 +83,24 @@ def reduce_scatter_flat(
     assert full.numel() == output.numel() * dist.get_world_size(group)
     return _REDUCE_SCATTER_FLAT(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
+
+def global_grad_norm(
+    grads: Sequence[torch.Tensor], group: ProcessGroup | None = None, device: torch.device | None = None
+) -> torch.Tensor:
+    """The L2 norm of all ``grads`` taken together, as a float32 0-d tensor.
+
+    ``group=None`` means every rank holds the same full gradients (no communication);
+    otherwise each rank holds a disjoint piece and the squared norms are summed over
+    ``group``. Non-finite gradients give a non-finite norm, which is how overflow shows.
+    """
+    if grads:
+        if all(g.dtype == torch.float32 for g in grads):
+            norms = torch._foreach_norm(list(grads), 2.0)
+        else:  # accumulate low-precision gradients' norms in fp32
+            norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+        total_sq = torch.stack([n.float() for n in norms]).square().sum()
+    else:
+        total_sq = torch.zeros((), dtype=torch.float32, device=device)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(total_sq, group=group)
+    return total_sq.sqrt()

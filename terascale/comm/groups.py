@@ -125,3 +125,26 @@ def init_distributed(
         mp_group=mp_group,
         mp_world_size=mp_world_size,
     )
+
+
+def duplicate_group(group: ProcessGroup) -> ProcessGroup:
+    """A new process group over the same ranks as ``group`` (a second, independent channel).
+
+    Collectives on different groups need not be issued in the same relative order on
+    every rank, and on NCCL they run on different communicators and can overlap. Every
+    rank of the default group must call this at the same point (``new_group`` is
+    collective over the world): each rank contributes its group's members, and every
+    distinct member list is created in the same order everywhere.
+    """
+    if dist.get_world_size(group) == 1:
+        return group
+    mine = dist.get_process_group_ranks(group)
+    everyone: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    out = None
+    for ranks in sorted({tuple(r) for r in everyone if r is not None}):
+        created = dist.new_group(list(ranks))
+        if list(ranks) == mine:
+            out = created
+    assert out is not None
+    return out

@@ -191,10 +191,10 @@ FEATURES: tuple[Feature, ...] = (
     Feature("memory_breakdown", True, _never),
     Feature("dataloader_drop_last", True, _never),
     Feature("ZeRO stage 0 (data parallel)", True, _stage(0)),
+    Feature("ZeRO stage 1", True, _stage(1)),
+    Feature("ZeRO stage 2", True, _stage(2)),
+    Feature("ZeRO stage 3", True, _stage(3)),
     # Not built yet.
-    Feature("ZeRO stage 1", False, _stage(1)),
-    Feature("ZeRO stage 2", False, _stage(2)),
-    Feature("ZeRO stage 3", False, _stage(3)),
     Feature("optimizer offload to CPU", False, _offload("offload_optimizer", "cpu")),
     Feature("optimizer offload to NVMe", False, _offload("offload_optimizer", "nvme")),
     Feature("parameter offload to CPU", False, _offload("offload_param", "cpu")),

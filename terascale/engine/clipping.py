@@ -5,25 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
-from torch.distributed import ProcessGroup
 
+from terascale.comm.collectives import global_grad_norm
 
-def global_grad_norm(grads: Sequence[torch.Tensor], group: ProcessGroup | None = None) -> torch.Tensor:
-    """The L2 norm of all ``grads`` taken together, as a float32 0-d tensor.
-
-    ``group=None`` means every rank holds the same full gradients (no communication);
-    otherwise each rank holds a disjoint piece and the squared norms are summed over
-    ``group``. Non-finite gradients give a non-finite norm, which is how overflow shows.
-    """
-    if grads:
-        norms = torch._foreach_norm([g for g in grads], 2.0)
-        total_sq = torch.stack([n.float() for n in norms]).square().sum()
-    else:
-        total_sq = torch.zeros((), dtype=torch.float32)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(total_sq, group=group)
-    return total_sq.sqrt()
+__all__ = ["clip_coefficient", "clip_grads_", "global_grad_norm"]
 
 
 def clip_grads_(grads: Sequence[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
@@ -34,9 +19,14 @@ def clip_grads_(grads: Sequence[torch.Tensor], max_norm: float, total_norm: torc
     """
     if not grads:
         return
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    coef = clip_coefficient(max_norm, total_norm)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g in grads:
         by_device.setdefault(g.device, []).append(g)
     for device, same in by_device.items():
         torch._foreach_mul_(same, coef.to(device))
+
+
+def clip_coefficient(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    """``min(1, max_norm / (total_norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_`` uses."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)

@@ -16,13 +16,15 @@ import psutil
 import torch
 from torch import nn
 
-from terascale.comm import DistributedContext, GradientBuckets, ReducePolicy, all_reduce_flag, broadcast_tensors
+from terascale.comm import DistributedContext, all_reduce_flag, broadcast_tensors
 from terascale.config import Config
-from terascale.engine.clipping import clip_grads_, global_grad_norm
+from terascale.engine.clipping import clip_coefficient
 from terascale.engine.loss_scaler import build_loss_scaler
+from terascale.engine.model_state import ModelState, adopt_optimizer, build_model_state
 from terascale.engine.monitor import StepTimers, build_monitors
-from terascale.engine.precision import MasterWeights, PrecisionPolicy, remap_optimizer
+from terascale.engine.precision import PrecisionPolicy
 from terascale.optim import build_optimizer, build_scheduler
+from terascale.zero import WrapPolicy
 
 logger = logging.getLogger("terascale")
 
@@ -47,6 +49,7 @@ class Engine(nn.Module):
         optimizer: OptimizerArg = None,
         model_parameters: Iterable[Any] | None = None,
         lr_scheduler: SchedulerArg = None,
+        wrap_policy: WrapPolicy | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -63,27 +66,13 @@ class Engine(nn.Module):
             [t.data for t in module.parameters()] + list(module.buffers()), dist_ctx.dp_group
         )
 
-        trainable = _trainable_params(module, model_parameters)
-        self._masters = MasterWeights(trainable, self.precision)
-        self.optimizer = self._build_optimizer(optimizer, model_parameters, trainable)
+        param_groups = _user_param_groups(module, optimizer, model_parameters)
+        self._state: ModelState = build_model_state(
+            self.module, param_groups, config, dist_ctx, self.precision, wrap_policy
+        )
+        self.optimizer = self._build_optimizer(optimizer)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.loss_scaler = build_loss_scaler(config.fp16)
-
-        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-        zero = config.zero_optimization
-        self._buckets = GradientBuckets(
-            trainable,
-            [names.get(id(p), "<unnamed>") for p in trainable],
-            dist_ctx.dp_group,
-            ReducePolicy(
-                bucket_numel=int(zero.reduce_bucket_size),
-                accum_dtype=config.grad_accum_dtype,
-                comm_dtype=config.communication_dtype,
-                prescale=config.prescale_gradients,
-                predivide_factor=config.gradient_predivide_factor,
-            ),
-            dist_ctx.device,
-        )
 
         self.micro_steps = 0
         self.global_steps = 0
@@ -153,9 +142,10 @@ class Engine(nn.Module):
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
         self.timers.start("backward")
         self._window_loss += loss.detach().float()
-        self._buckets.prepare_backward(sync=self.is_gradient_accumulation_boundary())
+        self._state.prepare_backward(sync=self.is_gradient_accumulation_boundary())
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
         (loss.float() * scale).backward()
+        self._state.post_backward()
         self.timers.stop("backward")
 
     def step(self) -> None:
@@ -171,21 +161,14 @@ class Engine(nn.Module):
 
     def zero_grad(self) -> None:
         """Drop the gradients accumulated so far in this window."""
-        self._buckets.zero_()
-        self._masters.clear_grads()
+        self._state.zero_grad()
 
     def _optimizer_step(self) -> None:
-        self._buckets.finish()
-        self._masters.set_grads(self._buckets.grads())
-        grads = [m.grad for m in self._masters.masters if m.grad is not None]
         scale = self.loss_scaler.scale
-        if scale != 1.0 and grads:
-            torch._foreach_mul_(grads, 1.0 / scale)
         norm = None
         clip = self.config.gradient_clipping
         if clip > 0 or self.config.fp16.enabled:
-            # Gradients are replicated after the all-reduce, so no group is needed here.
-            norm = global_grad_norm(grads)
+            norm = self._state.grad_norm() / scale
         overflow = False
         if self.config.fp16.enabled:
             overflow = all_reduce_flag(~torch.isfinite(norm), self.dp_group, self.device)
@@ -198,16 +181,16 @@ class Engine(nn.Module):
                 self.global_steps, scale, self.loss_scaler.scale,
             )
         else:
+            # Unscaling and clipping are one multiplication of the gradients.
+            multiplier = torch.tensor(1.0 / scale, device=self.device)
             if clip > 0:
-                clip_grads_(grads, clip, norm)
-            self.optimizer.step()
-            self._masters.copy_to_model()
+                multiplier = multiplier * clip_coefficient(clip, norm)
+            self._state.step(self.optimizer, multiplier)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self._step_applied = True
         self._last_grad_norm = None if norm is None else float(norm)
-        self._buckets.zero_()
-        self._masters.clear_grads()
+        self._state.zero_grad()
 
     def _report(self) -> None:
         every = self.config.steps_per_print
@@ -238,28 +221,40 @@ class Engine(nn.Module):
 
     # -- state ---------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter and persistent buffer by name, full size, on CPU, on every rank.
+        """Every parameter and persistent buffer by name, full size, fp32, on CPU, on every rank.
 
         Trainable parameters come from the fp32 masters; tied parameters appear under each
-        of their names, as in ``module.state_dict()``.
+        of their names, as in ``module.state_dict()``. Collective at ZeRO stages 1-3: call
+        it on every rank.
         """
-        out = {}
-        for name, t in self.module.state_dict(keep_vars=True).items():
-            if isinstance(t, nn.Parameter) and t.requires_grad and id(t) in self._master_ids():
-                t = self._masters.master_of(t)
-            out[name] = t.detach().to("cpu", copy=True)
-            if out[name].is_floating_point():
-                out[name] = out[name].float()
-        return out
+        return self._state.full_state_dict()
 
-    def _master_ids(self) -> set[int]:
-        return {id(p) for p in self._masters.model_params}
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes of model state this rank holds now, by kind.
+
+        ``params`` (the model's low-precision parameters: full at stages 0-2, this rank's
+        shards at stage 3), ``gathered_params`` (stage 3: full groups gathered right now),
+        ``grads`` (accumulation buffers and gradient shards), ``master_params`` (fp32
+        masters not shared with ``params``), ``optimizer_state`` (moments etc.),
+        ``buffers`` (module buffers), and ``model_states``, the sum of params, grads,
+        masters and optimizer state - the quantity of the ZeRO memory formulas.
+        """
+        out = {"params": 0, "gathered_params": 0, "grads": 0, "master_params": 0}
+        out.update(self._state.memory())
+        out["optimizer_state"] = sum(
+            t.numel() * t.element_size()
+            for state in self.optimizer.state.values()
+            for t in state.values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0
+        )
+        out["buffers"] = sum(b.numel() * b.element_size() for b in self.module.buffers())
+        out["model_states"] = out["params"] + out["grads"] + out["master_params"] + out["optimizer_state"]
+        return out
 
     def destroy(self) -> None:
         """Remove hooks and close monitors (the engine is unusable afterwards)."""
-        self._buckets.remove_hooks()
+        self._state.remove_hooks()
         for m in self._monitors:
             m.close()
         self._monitors = []
@@ -271,30 +266,28 @@ class Engine(nn.Module):
             return torch.float16
         return None
 
-    def _build_optimizer(
-        self, optimizer: OptimizerArg, model_parameters: Iterable[Any] | None, trainable: list[nn.Parameter]
-    ) -> torch.optim.Optimizer:
+    def _build_optimizer(self, optimizer: OptimizerArg) -> torch.optim.Optimizer:
         section = self.config.optimizer
         if optimizer is not None and section is not None:
             raise ValueError(
                 "an optimizer was passed to terascale.initialize and the config has an 'optimizer' "
                 "section; remove one of them"
             )
-        groups = self._masters.master_param_groups(
-            model_parameters if model_parameters is not None else trainable
-        )
+        groups = self._state.optimizer_param_groups()
         if isinstance(optimizer, torch.optim.Optimizer):
-            if self.precision.has_separate_masters:
-                remap_optimizer(optimizer, self._masters)
-            return optimizer
-        if callable(optimizer):
-            return optimizer(groups)
-        if section is None:
+            adopt_optimizer(optimizer, groups)
+            built = optimizer
+        elif callable(optimizer):
+            built = optimizer(groups)
+        elif section is None:
             raise ValueError(
                 "no optimizer: add an 'optimizer' section to the config (e.g. "
                 '{"type": "AdamW", "params": {"lr": 1e-3}}) or pass optimizer= to terascale.initialize'
             )
-        return build_optimizer(section.type, dict(section.params), groups)
+        else:
+            built = build_optimizer(section.type, dict(section.params), groups)
+        self._state.check_optimizer(built)
+        return built
 
     def _build_scheduler(self, lr_scheduler: SchedulerArg) -> Any:
         section = self.config.scheduler
@@ -310,32 +303,44 @@ class Engine(nn.Module):
         return lr_scheduler
 
 
-def _trainable_params(module: nn.Module, model_parameters: Iterable[Any] | None) -> list[nn.Parameter]:
-    """The distinct parameters the optimizer will own, in module order."""
-    if model_parameters is None:
-        candidates = [p for p in module.parameters() if p.requires_grad]
+def _user_param_groups(
+    module: nn.Module, optimizer: OptimizerArg, model_parameters: Iterable[Any] | None
+) -> list[dict]:
+    """The optimizer groups the user asked for, as dicts over the module's parameters.
+
+    From a client optimizer's groups, else ``model_parameters`` (tensors or dicts of
+    options), else every parameter with ``requires_grad``. Each parameter appears once.
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer.state:
+            raise ValueError(
+                "the optimizer passed to terascale.initialize already has state; construct it "
+                "fresh over model.parameters() (terascale gives it fp32 master weights)"
+            )
+        raw: list[Any] = [dict(g) for g in optimizer.param_groups]
+    elif model_parameters is not None:
+        raw = list(model_parameters)
     else:
-        candidates = []
-        for item in model_parameters:
-            if isinstance(item, dict):
-                ps = item["params"]
-                candidates.extend([ps] if isinstance(ps, torch.Tensor) else ps)
-            else:
-                candidates.append(item)
+        raw = [p for p in module.parameters() if p.requires_grad]
+    if raw and not isinstance(raw[0], dict):
+        raw = [{"params": raw}]
     in_module = {id(p) for p in module.parameters()}
     seen: set[int] = set()
-    out = []
-    for p in candidates:
-        if id(p) not in in_module:
-            raise ValueError("model_parameters contains a tensor that is not a parameter of the model")
-        if not p.requires_grad:
-            raise ValueError("model_parameters contains a parameter with requires_grad=False")
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    # Module order, so that every rank lays buckets out identically.
-    order = {id(p): i for i, p in enumerate(module.parameters())}
-    return sorted(out, key=lambda p: order[id(p)])
+    groups = []
+    for group in raw:
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        kept = []
+        for p in params:
+            if id(p) not in in_module:
+                raise ValueError("model_parameters contains a tensor that is not a parameter of the model")
+            if not p.requires_grad:
+                raise ValueError("model_parameters contains a parameter with requires_grad=False")
+            if id(p) not in seen:
+                seen.add(id(p))
+                kept.append(p)
+        groups.append({**group, "params": kept})
+    return groups
 
 
 def _to_device(obj: Any, device: torch.device, float_dtype: torch.dtype | None) -> Any:

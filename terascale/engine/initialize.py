@@ -14,6 +14,7 @@ from terascale.comm import ModelParallelUnit, init_distributed
 from terascale.config import Config
 from terascale.engine.data import build_dataloader
 from terascale.engine.engine import Engine, OptimizerArg, SchedulerArg
+from terascale.zero import WrapPolicy
 
 
 def initialize(
@@ -27,6 +28,7 @@ def initialize(
     collate_fn: Callable | None = None,
     args: argparse.Namespace | None = None,
     config_params: dict | None = None,
+    wrap_policy: WrapPolicy | None = None,
 ) -> tuple[Engine, Any, DataLoader | None, Any]:
     """Build the engine for ``model`` from a DeepSpeed-compatible config.
 
@@ -37,6 +39,8 @@ def initialize(
 
     The config comes from ``config``, else ``config_params``, else ``args.config`` /
     ``args.deepspeed_config`` (see :func:`terascale.add_config_arguments`).
+    ``wrap_policy`` chooses the parameter groups of ZeRO stages 1-3 (default: the
+    repeated blocks of the model, see :class:`terascale.zero.WrapPolicy`).
     """
     source = config if config is not None else config_params
     if source is None and args is not None:
@@ -50,7 +54,13 @@ def initialize(
     cfg.require_built()
     dist_ctx = init_distributed(mpu)
     engine = Engine(
-        model, cfg, dist_ctx, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler
+        model,
+        cfg,
+        dist_ctx,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler,
+        wrap_policy=wrap_policy,
     )
     loader = None
     if training_data is not None:

@@ -68,6 +68,9 @@ class Lamb(Optimizer):
         amsgrad: accepted for DeepSpeed compatibility; ``True`` is an error.
     """
 
+    # The trust ratio needs each parameter's whole norm; ZeRO shards are not parameters.
+    needs_whole_parameters = True
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],

@@ -1,9 +1,24 @@
 """ZeRO: parameters, gradients and optimizer state partitioned over the data-parallel ranks.
 
-The building block is :class:`FlatParamGroup` (see ``[Note: flat shards]``). Stages 1-3
-are wired into the engine by the ZeRO issue; until then the config rejects them.
+``wrap`` decides the groups, ``flat_group`` holds one group's flat buffer and shards,
+``grads`` reduce-scatters gradients, ``masters`` holds the fp32 master shards the
+optimizer steps, ``schedule`` gathers and frees groups around their use (stage 3), and
+``sharded`` puts them together as the engine's model state for stages 1-3.
 """
 
 from terascale.zero.flat_group import FlatLayout, FlatParamGroup, Fragment, ParamSlot, ShardState
+from terascale.zero.sharded import ShardedState, ZeroOptions, zero_options
+from terascale.zero.wrap import GroupPlan, WrapPolicy
 
-__all__ = ["FlatLayout", "FlatParamGroup", "Fragment", "ParamSlot", "ShardState"]
+__all__ = [
+    "FlatLayout",
+    "FlatParamGroup",
+    "Fragment",
+    "GroupPlan",
+    "ParamSlot",
+    "ShardState",
+    "ShardedState",
+    "WrapPolicy",
+    "ZeroOptions",
+    "zero_options",
+]

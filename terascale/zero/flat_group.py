@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from terascale.comm.collectives import all_gather_flat, reduce_scatter_flat
+from terascale.comm.collectives import all_gather_flat
 
 
 class ShardState(enum.Enum):
@@ -118,10 +118,12 @@ class FlatLayout:
 class FlatParamGroup:
     """``named_params`` flattened into one buffer and sharded over the ranks of ``group``.
 
-    Construction copies the parameters into the full buffer, points each parameter's
-    ``.data`` at its view of it, and keeps a private copy of this rank's shard
-    (``self.shard``). The group starts UNSHARDED; :meth:`reshard` frees the full buffer
-    and :meth:`unshard` all-gathers it back from every rank's shard.
+    Construction copies the parameters (or ``init_values(i, param)``, for parameters
+    whose data is not held locally) into the full buffer and points each parameter's
+    ``.data`` at its view of it. ``shard`` is this rank's slice: for a ``persistent``
+    group a view of the full buffer (the group never frees it), otherwise a private copy,
+    and the group starts SHARDED. :meth:`unshard` all-gathers the full buffer from every
+    rank's shard; :meth:`reshard` frees it.
     """
 
     def __init__(
@@ -131,6 +133,8 @@ class FlatParamGroup:
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
+        persistent: bool = False,
+        init_values: Callable[[int, nn.Parameter], torch.Tensor] | None = None,
     ) -> None:
         self.layout = FlatLayout.build([(n, p.shape) for n, p in named_params], dist.get_world_size(group))
         self.names = tuple(n for n, _ in named_params)
@@ -147,25 +151,30 @@ class FlatParamGroup:
         self.device = torch.device(device) if device is not None else self.params[0].device
         self.group = group
         self.rank = dist.get_rank(group)
+        self.persistent = persistent
 
         self._full = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
-            for slot, p in zip(self.layout.slots, self.params):
-                self._full[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+            for i, (slot, p) in enumerate(zip(self.layout.slots, self.params)):
+                value = p.detach() if init_values is None else init_values(i, p)
+                self._full[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
         self._views = tuple(
             self._full[slot.offset : slot.offset + slot.numel].view(slot.shape) for slot in self.layout.slots
         )
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
         self._point_params_at(self._views)
         lo, hi = self.layout.shard_range(self.rank)
-        self.shard = self._full[lo:hi].clone()
+        self.shard = self._full[lo:hi] if persistent else self._full[lo:hi].clone()
         self.state = ShardState.UNSHARDED
         self._work: dist.Work | None = None
+        if not persistent:
+            self.reshard()
 
     # -- gathering and freeing -------------------------------------------------------------
 
     def reshard(self) -> None:
         """Free the full buffer; parameters hold empty tensors until :meth:`unshard`."""
+        assert not self.persistent, "a persistent group is never resharded"
         assert self.state is ShardState.UNSHARDED, f"reshard from {self.state}"
         self._point_params_at([self._empty] * len(self.params))
         self._full.untyped_storage().resize_(0)
@@ -180,8 +189,17 @@ class FlatParamGroup:
         if self.state is not ShardState.SHARDED:
             return
         self._full.untyped_storage().resize_(self.layout.padded_numel * self._full.element_size())
+        self._gather(async_op)
+
+    def regather(self, async_op: bool = False) -> None:
+        """All-gather a persistent group's full buffer after its shard changed (in place)."""
+        assert self.persistent and self.state is ShardState.UNSHARDED, f"regather from {self.state}"
+        self._gather(async_op)
+
+    def _gather(self, async_op: bool) -> None:
         if self.layout.world_size == 1:
-            self._full.copy_(self.shard)
+            if self.shard.data_ptr() != self._full.data_ptr():
+                self._full.copy_(self.shard)
         else:
             self._work = all_gather_flat(self._full, self.shard, self.group, async_op=async_op)
         self.state = ShardState.GATHERING
@@ -189,7 +207,7 @@ class FlatParamGroup:
             self.wait()
 
     def wait(self) -> None:
-        """Finish an in-flight :meth:`unshard` (no-op otherwise)."""
+        """Finish an in-flight gather (no-op otherwise)."""
         if self.state is ShardState.GATHERING:
             if self._work is not None:
                 self._work.wait()
@@ -207,34 +225,9 @@ class FlatParamGroup:
     def update_shard_from_full(self) -> None:
         """Copy this rank's slice of the (modified) full parameters into its shard."""
         assert self.state is ShardState.UNSHARDED, f"update_shard_from_full from {self.state}"
-        lo, hi = self.layout.shard_range(self.rank)
-        self.shard.copy_(self._full[lo:hi])
-
-    # -- gradients -----------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def flat_grad(self, dtype: torch.dtype | None = None) -> torch.Tensor | None:
-        """The parameters' ``.grad`` laid out like the full buffer (zeros where None), or None.
-
-        None when no parameter of the group has a gradient on this rank.
-        """
-        if all(p.grad is None for p in self.params):
-            return None
-        out = torch.zeros(self.layout.padded_numel, dtype=dtype or self.dtype, device=self.device)
-        for slot, p in zip(self.layout.slots, self.params):
-            if p.grad is not None:
-                out[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
-        return out
-
-    def reduce_scatter_grad(
-        self, flat_grad: torch.Tensor, out: torch.Tensor, async_op: bool = False
-    ) -> dist.Work | None:
-        """Sum ``flat_grad`` (full layout) over the ranks; this rank's slice lands in ``out``."""
-        assert flat_grad.numel() == self.layout.padded_numel and out.numel() == self.layout.shard_numel
-        if self.layout.world_size == 1:
-            out.copy_(flat_grad)
-            return None
-        return reduce_scatter_flat(out, flat_grad, self.group, async_op=async_op)
+        if not self.persistent:
+            lo, hi = self.layout.shard_range(self.rank)
+            self.shard.copy_(self._full[lo:hi])
 
     # -- what this rank owns -----------------------------------------------------------------
 
@@ -246,6 +239,10 @@ class FlatParamGroup:
     def full_buffer(self) -> torch.Tensor:
         """The padded full buffer (its storage is empty while SHARDED)."""
         return self._full
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
 
     def __repr__(self) -> str:
         return (

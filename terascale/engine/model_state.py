@@ -1,0 +1,205 @@
+"""Where the engine's model state lives: replicated (stage 0) or sharded (ZeRO stages 1-3).
+
+[Note: model state]
+The engine runs one train step for every stage; what differs is who holds parameters,
+gradients and optimizer state, and that is behind :class:`ModelState`:
+
+- ``prepare_backward(sync)`` / ``post_backward()`` bracket each backward (``sync`` on the
+  last micro-step of a window: gradients are reduced over the data-parallel ranks);
+- ``grad_norm()`` is the global norm of the reduced, still loss-scaled gradients;
+- ``step(optimizer, multiplier)`` scales the gradients by ``multiplier`` (unscale and clip
+  in one pass), steps the optimizer and writes the result back into the model;
+- ``zero_grad()``, ``full_state_dict()``, ``memory()`` and ``remove_hooks()``.
+
+Stage 0 is :class:`ReplicatedState` (below); stages 1-3 are
+:class:`terascale.zero.ShardedState`, one class whose stage is a set of options.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from terascale.comm import DistributedContext, GradientBuckets, ReducePolicy
+from terascale.config import Config
+from terascale.engine.clipping import global_grad_norm
+from terascale.engine.precision import MasterWeights, PrecisionPolicy
+from terascale.zero import ShardedState, WrapPolicy, zero_options
+
+
+class ModelState(Protocol):
+    def optimizer_param_groups(self) -> list[dict]: ...
+
+    def prepare_backward(self, sync: bool) -> None: ...
+
+    def post_backward(self) -> None: ...
+
+    def grad_norm(self) -> torch.Tensor: ...
+
+    def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def memory(self) -> dict[str, int]: ...
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def remove_hooks(self) -> None: ...
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+class ReplicatedState:
+    """Stage 0: full parameters and optimizer state on every rank, gradients all-reduced.
+
+    ``param_groups`` are the user's optimizer groups (dicts with ``params``) over the
+    trainable parameters of ``module``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        param_groups: Sequence[dict],
+        precision: PrecisionPolicy,
+        group,
+        reduce_policy: ReducePolicy,
+        device: torch.device,
+    ) -> None:
+        self.module = module
+        trainable = _ordered_params(module, param_groups)
+        self._masters = MasterWeights(trainable, precision)
+        self._groups = self._masters.master_param_groups(param_groups)
+        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+        self._buckets = GradientBuckets(
+            trainable, [names.get(id(p), "<unnamed>") for p in trainable], group, reduce_policy, device
+        )
+        self._finished = False
+
+    def optimizer_param_groups(self) -> list[dict]:
+        return self._groups
+
+    def prepare_backward(self, sync: bool) -> None:
+        self._buckets.prepare_backward(sync)
+
+    def post_backward(self) -> None:
+        pass  # the buckets finish at the step: an accumulation window may span backwards
+
+    def grad_norm(self) -> torch.Tensor:
+        self._finish()
+        # Gradients are replicated after the all-reduce, so no group is needed here.
+        return global_grad_norm(self._grads())
+
+    def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
+        self._finish()
+        grads = self._grads()
+        if grads:
+            torch._foreach_mul_(grads, multiplier.to(grads[0].device))
+        optimizer.step()
+        self._masters.copy_to_model()
+
+    def _finish(self) -> None:
+        if not self._finished:
+            self._buckets.finish()
+            self._masters.set_grads(self._buckets.grads())
+            self._finished = True
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [m.grad for m in self._masters.masters if m.grad is not None]
+
+    def zero_grad(self) -> None:
+        self._buckets.zero_()
+        self._masters.clear_grads()
+        self._finished = False
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        owned = {id(p) for p in self._masters.model_params}
+        out = {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if isinstance(t, nn.Parameter) and id(t) in owned:
+                t = self._masters.master_of(t)
+            out[name] = t.detach().to("cpu", copy=True)
+            if out[name].is_floating_point():
+                out[name] = out[name].float()
+        return out
+
+    def memory(self) -> dict[str, int]:
+        params = list(self.module.parameters())
+        masters = [m for m in self._masters.masters if all(m is not p for p in params)]
+        return {
+            "params": _nbytes(params),
+            "grads": _nbytes([self._buckets.buffer]),
+            "master_params": _nbytes(masters) if masters else 0,
+        }
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        pass  # every optimizer sees whole parameters at stage 0
+
+    def remove_hooks(self) -> None:
+        self._buckets.remove_hooks()
+
+
+def _ordered_params(module: nn.Module, param_groups: Sequence[dict]) -> list[nn.Parameter]:
+    """The distinct parameters of ``param_groups``, in module order (same on every rank)."""
+    ids = {id(p) for group in param_groups for p in group["params"]}
+    return [p for p in module.parameters() if id(p) in ids]
+
+
+def adopt_optimizer(optimizer: torch.optim.Optimizer, groups: Sequence[dict]) -> None:
+    """Point a client optimizer's param groups at the tensors it must step (the masters).
+
+    ``groups`` are :meth:`ModelState.optimizer_param_groups`, built from this optimizer's
+    own groups, in the same order.
+    """
+    assert len(groups) == len(optimizer.param_groups)
+    for mine, theirs in zip(optimizer.param_groups, groups):
+        mine["params"] = list(theirs["params"])
+
+
+def build_model_state(
+    module: nn.Module,
+    param_groups: Sequence[dict],
+    config: Config,
+    dist_ctx: DistributedContext,
+    precision: PrecisionPolicy,
+    wrap_policy: WrapPolicy | None = None,
+) -> ModelState:
+    """The model state for ``config.zero_optimization.stage`` (see ``[Note: model state]``)."""
+    zero = config.zero_optimization
+    if zero.stage == 0:
+        return ReplicatedState(
+            module,
+            param_groups,
+            precision,
+            dist_ctx.dp_group,
+            ReducePolicy(
+                bucket_numel=int(zero.reduce_bucket_size),
+                accum_dtype=config.grad_accum_dtype,
+                comm_dtype=config.communication_dtype,
+                prescale=config.prescale_gradients,
+                predivide_factor=config.gradient_predivide_factor,
+            ),
+            dist_ctx.device,
+        )
+    return ShardedState(
+        module,
+        param_groups,
+        zero_options(config, wrap_policy),
+        dist_ctx.dp_group,
+        dtype=precision.compute_dtype,
+        device=dist_ctx.device,
+    )

@@ -1,0 +1,230 @@
+"""Gradients of sharded groups: accumulate per group, reduce-scatter, keep this rank's shard.
+
+[Note: sharded gradients]
+A post-accumulate-grad hook adds each fresh ``param.grad`` into its slot of the group's
+flat gradient buffer (padded like the parameter buffer) and frees ``param.grad`` at
+once. When every trainable parameter of a group has reported in a synchronising
+backward, the group's buffer is reduce-scattered asynchronously (overlapping the rest
+of backward) in place: rank r's slice of the buffer then holds the sum over ranks of
+slice r. Groups are launched strictly in descending group order on every rank, even if
+they complete out of order, and on a separate process group from the parameter
+all-gathers, so the collectives match across ranks whatever order hooks fire in.
+
+Stage 1 keeps the full flat buffers for the whole accumulation window and reduces only
+on the last micro-step; this rank's gradient shard is then a view of its own slice of
+the buffer (no extra memory). Stages 2 and 3 reduce on every micro-step, add the
+reduced slice into a separate shard-sized accumulator and drop the full buffer.
+
+A parameter that gets no gradient on a rank contributes zeros; one unused on every
+rank gets a zero gradient (DeepSpeed's ZeRO semantics; stage 0 leaves it ``None``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from terascale.comm.collectives import reduce_scatter_flat
+from terascale.zero.flat_group import FlatParamGroup
+
+
+@dataclass(frozen=True)
+class GradPolicy:
+    """When and how group gradients are reduced (DeepSpeed's ``zero_optimization`` knobs)."""
+
+    reduce_every_micro_step: bool  # stages 2-3; stage 1 reduces at the window's end only
+    dtype: torch.dtype  # the flat buffers and shards accumulate in this dtype
+    comm_dtype: torch.dtype | None = None  # None: reduce in ``dtype``
+    bucket_numel: int = 500_000_000  # reduce_bucket_size: most elements in flight
+    overlap: bool = True  # overlap_comm: False waits for each reduction at once
+    reduce_scatter: bool = True  # False: all-reduce the buffer and keep the own slice
+    prescale: bool = False
+    predivide_factor: float = 1.0
+
+
+@dataclass
+class _Pending:
+    group: int
+    work: dist.Work | None
+    comm: torch.Tensor  # the buffer being reduced (the flat buffer or its comm-dtype copy)
+
+
+class ShardedGrads:
+    """Reduces the gradients of ``groups`` over ``group`` into per-rank gradient shards.
+
+    ``trainable[g][i]`` says whether parameter i of group g receives gradients.
+    ``on_group_done(g)`` is called when every trainable parameter of group g has its
+    gradient for the current backward (stage 3 frees the gathered parameters then).
+    After :meth:`post_backward` of a synchronising backward, :attr:`shards` holds each
+    group's summed-and-averaged gradient slice (or None for a group without trainables).
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[FlatParamGroup],
+        trainable: Sequence[Sequence[bool]],
+        group: ProcessGroup,
+        policy: GradPolicy,
+        on_group_done: Callable[[int], None] | None = None,
+    ) -> None:
+        self.groups = list(groups)
+        self.policy = policy
+        self.pg = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self._on_group_done = on_group_done
+        self._expected = [sum(t) for t in trainable]
+        # Backward runs roughly last group to first: launch in that order.
+        self._order = [g for g in reversed(range(len(self.groups))) if self._expected[g] > 0]
+        self._flat: list[torch.Tensor | None] = [None] * len(self.groups)
+        self.shards: list[torch.Tensor | None] = [None] * len(self.groups)
+        self._count = [0] * len(self.groups)
+        self._done = [False] * len(self.groups)
+        self._next = 0
+        self._sync = True
+        self._pending: list[_Pending] = []
+        self._handles = []
+        for g, (fg, flags) in enumerate(zip(self.groups, trainable)):
+            for i, (p, t) in enumerate(zip(fg.params, flags)):
+                if t:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._hook(g, i)))
+
+    # -- backward --------------------------------------------------------------------------
+
+    def prepare_backward(self, sync: bool) -> None:
+        """Start a backward; ``sync`` marks the last micro-step of an accumulation window."""
+        self._sync = sync or self.policy.reduce_every_micro_step
+        self._count = [0] * len(self.groups)
+        self._done = [False] * len(self.groups)
+        self._next = 0
+
+    def _hook(self, g: int, i: int) -> Callable[[nn.Parameter], None]:
+        slot = self.groups[g].layout.slots[i]
+
+        @torch.no_grad()
+        def hook(p: nn.Parameter) -> None:
+            if p.grad is None:
+                return
+            if p.grad.is_sparse:
+                raise ValueError(
+                    f"parameter '{self.groups[g].names[i]}' produced a sparse gradient; sparse "
+                    "gradients are not supported with ZeRO stages 1-3 (use a dense embedding)"
+                )
+            if self._count[g] >= self._expected[g]:
+                raise RuntimeError(
+                    f"parameter '{self.groups[g].names[i]}' received a second gradient in one "
+                    "backward (reentrant activation checkpointing or two backward calls per "
+                    "micro-step); use torch.utils.checkpoint(..., use_reentrant=False) or sum the "
+                    "losses before engine.backward"
+                )
+            self._buffer(g)[slot.offset : slot.offset + slot.numel].add_(p.grad.reshape(-1))
+            p.grad = None
+            self._count[g] += 1
+            if self._count[g] == self._expected[g]:
+                self._done[g] = True
+                if self._sync:
+                    self._launch_ready()
+                if self._on_group_done is not None:
+                    self._on_group_done(g)
+
+        return hook
+
+    def _buffer(self, g: int) -> torch.Tensor:
+        if self._flat[g] is None:
+            fg = self.groups[g]
+            self._flat[g] = torch.zeros(fg.layout.padded_numel, dtype=self.policy.dtype, device=fg.device)
+        return self._flat[g]
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self._order) and self._done[self._order[self._next]]:
+            self._launch(self._order[self._next])
+            self._next += 1
+
+    def _launch(self, g: int) -> None:
+        flat = self._buffer(g)
+        pol = self.policy
+        comm = flat if pol.comm_dtype in (None, flat.dtype) else flat.to(pol.comm_dtype)
+        pre = 1.0 / self.world if pol.prescale else 1.0 / pol.predivide_factor
+        if pre != 1.0:
+            comm.mul_(pre)
+        lo, hi = self.groups[g].layout.shard_range(self.rank)
+        if self.world == 1:
+            work = None
+        elif pol.reduce_scatter:
+            work = reduce_scatter_flat(comm[lo:hi], comm, self.pg, async_op=True)
+        else:
+            work = dist.all_reduce(comm, group=self.pg, async_op=True)
+        self._pending.append(_Pending(g, work, comm))
+        in_flight = sum(item.comm.numel() for item in self._pending)
+        while self._pending and (not pol.overlap or (in_flight > pol.bucket_numel and len(self._pending) > 1)):
+            in_flight -= self._pending[0].comm.numel()
+            self._complete(self._pending.pop(0))
+
+    @torch.no_grad()
+    def _complete(self, item: _Pending) -> None:
+        if item.work is not None:
+            item.work.wait()
+        g = item.group
+        lo, hi = self.groups[g].layout.shard_range(self.rank)
+        reduced = item.comm[lo:hi]
+        pol = self.policy
+        post = 1.0 if pol.prescale else pol.predivide_factor / self.world
+        if post != 1.0:
+            reduced.mul_(post)
+        flat = self._flat[g]
+        if not pol.reduce_every_micro_step:
+            # Stage 1: the shard is this rank's slice of the persistent full buffer.
+            if reduced.data_ptr() != flat[lo:hi].data_ptr():
+                flat[lo:hi].copy_(reduced)
+            self.shards[g] = flat[lo:hi]
+            return
+        if self.shards[g] is None:
+            self.shards[g] = reduced.to(pol.dtype, copy=True)
+        else:
+            self.shards[g].add_(reduced)
+        self._flat[g] = None
+
+    def post_backward(self) -> None:
+        """End a backward: on a synchronising one, reduce every group left and wait for all.
+
+        Groups whose parameters did not all get gradients (unused on this rank) are
+        reduced here, so every rank takes part in every group's collective.
+        """
+        if not self._sync:
+            return
+        for g in self._order:
+            self._done[g] = True
+        self._launch_ready()
+        while self._pending:
+            self._complete(self._pending.pop(0))
+
+    def zero_(self) -> None:
+        """Forget the gradients of the finished window."""
+        for g in range(len(self.groups)):
+            if self.policy.reduce_every_micro_step:
+                self._flat[g] = None
+            elif self._flat[g] is not None:
+                self._flat[g].zero_()
+            self.shards[g] = None
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- accounting ----------------------------------------------------------------------------
+
+    def nbytes(self) -> int:
+        """Bytes of gradient storage this rank holds right now (buffers and shards)."""
+        seen: set[int] = set()
+        total = 0
+        for t in [*self._flat, *self.shards]:
+            if t is not None and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+        return total

@@ -1,0 +1,261 @@
+"""ZeRO stages 1, 2 and 3 as one model state over groups of flat shards.
+
+The stage only sets options (see the table in DESIGN.md):
+
+- which groups are persistent (stages 1-2: all; stage 3: only the small parameters),
+  so :class:`ParamSchedule` gathers and frees the others around their modules' use;
+- whether gradients are reduced on every micro-step (stages 2-3) or kept full until
+  the window's last one (stage 1), in :class:`ShardedGrads`.
+
+Every stage keeps fp32 masters and optimizer state for this rank's shard only
+(:class:`ShardedMasters`), and after the step writes the updated masters into the
+parameter shards; persistent groups are then all-gathered back to full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from terascale.comm import all_gather_flat, duplicate_group
+from terascale.comm.collectives import global_grad_norm
+from terascale.config import Config
+from terascale.config.schema import TORCH_DTYPES
+from terascale.zero.flat_group import FlatParamGroup, ShardState
+from terascale.zero.grads import GradPolicy, ShardedGrads
+from terascale.zero.masters import ShardedMasters
+from terascale.zero.schedule import ParamSchedule, SchedulePolicy
+from terascale.zero.wrap import GroupPlan, WrapPolicy, plan_groups
+
+
+@dataclass(frozen=True)
+class ZeroOptions:
+    """Everything a stage means, as data (built from ``zero_optimization`` by the engine)."""
+
+    stage: int
+    grads: GradPolicy
+    wrap: WrapPolicy = field(default_factory=WrapPolicy)
+    schedule: SchedulePolicy = field(default_factory=SchedulePolicy)
+    persistence_threshold: int = 100_000
+    sub_group_size: int = 1_000_000_000
+    allgather_bucket_numel: int = 500_000_000
+
+    def __post_init__(self) -> None:
+        assert self.stage in (1, 2, 3), self.stage
+
+
+def zero_options(config: Config, wrap: WrapPolicy | None = None) -> ZeroOptions:
+    """The options ``config.zero_optimization`` (stage 1-3) asks for.
+
+    Gradients accumulate in ``data_types.grad_accum_dtype`` when given, else in the
+    compute dtype as DeepSpeed's ZeRO does (this is what the ZeRO memory formulas count).
+    """
+    zero = config.zero_optimization
+    accum = config.data_types.grad_accum_dtype
+    return ZeroOptions(
+        stage=zero.stage,
+        grads=GradPolicy(
+            reduce_every_micro_step=zero.stage >= 2,
+            dtype=TORCH_DTYPES[accum] if accum else config.compute_dtype,
+            comm_dtype=config.communication_dtype,
+            bucket_numel=int(zero.reduce_bucket_size),
+            overlap=zero.overlap_comm,
+            reduce_scatter=zero.reduce_scatter,
+            prescale=config.prescale_gradients,
+            predivide_factor=config.gradient_predivide_factor,
+        ),
+        wrap=wrap or WrapPolicy(),
+        schedule=SchedulePolicy(
+            prefetch_numel=int(zero.prefetch_bucket_size),
+            max_live_numel=int(zero.max_live_parameters),
+            max_reuse_distance=int(zero.max_reuse_distance),
+        ),
+        persistence_threshold=int(zero.param_persistence_threshold),
+        sub_group_size=int(zero.sub_group_size),
+        allgather_bucket_numel=int(zero.allgather_bucket_size),
+    )
+
+
+class ShardedState:
+    """Parameters, gradients and optimizer state of ``module`` sharded over ``group``.
+
+    ``param_groups`` are the user's optimizer groups over trainable parameters; other
+    parameters (frozen) are sharded too at stage 3 but never stepped. The module's
+    parameters must already hold the same values on every rank (or ``init_values``
+    supplies them, see :func:`terascale.zero.Init`).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        param_groups: Sequence[dict],
+        options: ZeroOptions,
+        group: ProcessGroup,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        init_values: Callable[[nn.Parameter], torch.Tensor] | None = None,
+    ) -> None:
+        self.module = module
+        self.options = options
+        self.group = group
+        self.device = device
+        opt_group_of = {id(p): k for k, grp in enumerate(param_groups) for p in grp["params"]}
+        self._options = [{k: v for k, v in grp.items() if k != "params"} for grp in param_groups]
+        self.plans: list[GroupPlan] = plan_groups(
+            module,
+            options.wrap,
+            opt_group_of,
+            persistence_threshold=options.persistence_threshold,
+            shard_params=options.stage == 3,
+        )
+        self.groups = [
+            FlatParamGroup(
+                list(zip(plan.names, plan.params)),
+                group,
+                dtype=dtype,
+                device=device,
+                persistent=plan.persistent,
+                init_values=None if init_values is None else (lambda i, p: init_values(p)),
+            )
+            for plan in self.plans
+        ]
+        self._group_of = {id(p): g for g, fg in enumerate(self.groups) for p in fg.params}
+        self.masters = ShardedMasters(self.plans, self.groups, torch.float32, options.sub_group_size)
+        self.schedule = (
+            ParamSchedule(self.plans, self.groups, options.schedule) if options.stage == 3 else None
+        )
+        self.grads = ShardedGrads(
+            self.groups,
+            [[k >= 0 for k in plan.opt_group] for plan in self.plans],
+            duplicate_group(group),
+            options.grads,
+            on_group_done=None if self.schedule is None else self.schedule.on_grads_done,
+        )
+
+    # -- the train step ----------------------------------------------------------------------
+
+    def optimizer_param_groups(self) -> list[dict]:
+        return self.masters.param_groups(self._options)
+
+    def prepare_backward(self, sync: bool) -> None:
+        self.grads.prepare_backward(sync)
+
+    def post_backward(self) -> None:
+        self.grads.post_backward()
+        if self.schedule is not None:
+            self.schedule.post_backward()
+
+    def grad_norm(self) -> torch.Tensor:
+        pieces = self.masters.grad_pieces(self.grads.shards)
+        return global_grad_norm(pieces, self.group, device=self.device)
+
+    def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
+        """Unscale/clip by ``multiplier``, step each sub-group, refresh persistent groups."""
+        pieces = self.masters.grad_pieces(self.grads.shards)
+        multiplier = multiplier.to(self.device)
+        for run in self.masters.sub_groups():
+            grads = [pieces[i].to(torch.float32) for i in run]
+            torch._foreach_mul_(grads, multiplier)
+            for i, grad in zip(run, grads):
+                self.masters.masters[i].grad = grad
+            optimizer.step()
+            for i in run:
+                self.masters.masters[i].grad = None
+            self.masters.write_to_shards(run)
+        self._regather_persistent()
+
+    def _regather_persistent(self) -> None:
+        in_flight: list[FlatParamGroup] = []
+        numel = 0
+        for fg in self.groups:
+            if not fg.persistent:
+                continue
+            fg.regather(async_op=True)
+            in_flight.append(fg)
+            numel += fg.layout.padded_numel
+            while in_flight and numel > self.options.allgather_bucket_numel:
+                done = in_flight.pop(0)
+                done.wait()
+                numel -= done.layout.padded_numel
+        for fg in in_flight:
+            fg.wait()
+
+    def zero_grad(self) -> None:
+        self.grads.zero_()
+        for m in self.masters.masters:
+            m.grad = None
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def full_params(self) -> dict[int, torch.Tensor]:
+        """``id(param)`` -> the full fp32 value (exact masters where trained), on CPU.
+
+        Collective: every rank of the group must call it.
+        """
+        out: dict[int, torch.Tensor] = {}
+        for g, fg in enumerate(self.groups):
+            shard = self.masters.fp32_shard(g)
+            if fg.layout.world_size == 1:
+                full = shard
+            else:
+                full = torch.empty(fg.layout.padded_numel, dtype=torch.float32, device=self.device)
+                all_gather_flat(full, shard, self.group)
+            for slot, p in zip(fg.layout.slots, fg.params):
+                out[id(p)] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).to("cpu", copy=True)
+        return out
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        values = self.full_params()
+        out = {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) in values:
+                out[name] = values[id(t)].clone()
+            else:
+                out[name] = t.detach().to("cpu", copy=True)
+                if out[name].is_floating_point():
+                    out[name] = out[name].float()
+        return out
+
+    def group_of(self, param: nn.Parameter) -> FlatParamGroup | None:
+        g = self._group_of.get(id(param))
+        return None if g is None else self.groups[g]
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds now: parameter shards and persistent buffers, gathered
+        (live) full buffers, gradients and fp32 masters."""
+        params = gathered = 0
+        for fg in self.groups:
+            size = fg.dtype.itemsize
+            if fg.persistent:
+                params += fg.layout.padded_numel * size
+            else:
+                params += fg.layout.shard_numel * size
+                if fg.state is not ShardState.SHARDED:
+                    gathered += fg.layout.padded_numel * size
+        return {
+            "params": params,
+            "gathered_params": gathered,
+            "grads": self.grads.nbytes(),
+            "master_params": self.masters.nbytes(),
+        }
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if getattr(optimizer, "needs_whole_parameters", False):
+            raise ValueError(
+                f"{type(optimizer).__name__} computes norms of whole parameters, but at ZeRO stage "
+                f"{self.options.stage} each rank steps only a flat shard; use zero_optimization.stage 0 "
+                "with this optimizer, or Adam/AdamW/SGD"
+            )
+
+    def remove_hooks(self) -> None:
+        self.grads.remove_hooks()
+        if self.schedule is not None:
+            self.schedule.remove_hooks()
+

@@ -1,0 +1,149 @@
+"""Which parameters form a group: the wrap policy and the group plan.
+
+[Note: group plan]
+A group is the parameters one wrapped module owns. A module is wrapped when the policy
+picks it (its class is listed, or, by default, it is one of the repeated elements of a
+``ModuleList``/``Sequential`` - the transformer blocks - and holds at least
+``min_params`` elements); the root module is always wrapped and takes the leftovers.
+A parameter belongs to the innermost wrapped module that contains every place it is
+registered, so a weight tied between the embedding and the output head lands in their
+common ancestor and is gathered for the whole forward that uses it. At stage 3,
+parameters smaller than ``persistence_threshold`` elements leave their groups for one
+persistent group that stays gathered (DeepSpeed's ``stage3_param_persistence_threshold``).
+
+Inside a group parameters are ordered by optimizer param group, then module order, with
+frozen parameters last: each optimizer group's parameters are then one contiguous run
+of the flat buffer and of every rank's shard, so one fused update covers them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class WrapPolicy:
+    """Which modules become groups.
+
+    ``module_classes``: wrap every instance of these classes (e.g. the transformer block).
+    None picks the classes that repeat inside a ``ModuleList``/``Sequential``.
+    ``min_params``: modules with fewer parameter elements stay in their parent's group.
+    """
+
+    module_classes: tuple[type[nn.Module], ...] | None = None
+    min_params: int = 0
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One group: the module whose forward uses it, and its parameters in flat order.
+
+    ``opt_group[i]`` is the optimizer param-group index of ``params[i]`` (-1: frozen).
+    ``persistent`` groups stay gathered between uses (all groups below stage 3).
+    """
+
+    module: nn.Module
+    module_name: str
+    names: tuple[str, ...]
+    params: tuple[nn.Parameter, ...]
+    opt_group: tuple[int, ...]
+    persistent: bool
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+
+def _repeated_block_classes(root: nn.Module) -> tuple[type[nn.Module], ...]:
+    found: list[type[nn.Module]] = []
+    for m in root.modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)):
+            counts = Counter(type(c) for c in m.children())
+            found += [cls for cls, n in counts.items() if n >= 2 and cls not in found]
+    return tuple(found)
+
+
+def wrapped_modules(root: nn.Module, policy: WrapPolicy) -> dict[str, nn.Module]:
+    """Name -> module for every module that owns a group (the root is ``""``)."""
+    classes = policy.module_classes if policy.module_classes is not None else _repeated_block_classes(root)
+    out: dict[str, nn.Module] = {"": root}
+    seen = {id(root)}
+    for name, m in root.named_modules():
+        if id(m) in seen or not isinstance(m, classes):
+            continue
+        if sum(p.numel() for p in m.parameters()) < max(policy.min_params, 1):
+            continue
+        seen.add(id(m))
+        out[name] = m
+    return out
+
+
+def _owner(names: list[str], wrapped: dict[str, nn.Module]) -> str:
+    """The innermost wrapped module name that is a prefix of every occurrence in ``names``."""
+    parts = [n.split(".")[:-1] for n in names]
+    common = parts[0]
+    for p in parts[1:]:
+        i = 0
+        while i < min(len(common), len(p)) and common[i] == p[i]:
+            i += 1
+        common = common[:i]
+    while common and ".".join(common) not in wrapped:
+        common = common[:-1]
+    return ".".join(common)
+
+
+def plan_groups(
+    root: nn.Module,
+    policy: WrapPolicy,
+    opt_group_of: dict[int, int],
+    *,
+    persistence_threshold: int = 0,
+    shard_params: bool = False,
+) -> list[GroupPlan]:
+    """Split ``root``'s parameters into groups (see ``[Note: group plan]``).
+
+    ``opt_group_of`` maps ``id(param)`` to its optimizer group index; parameters missing
+    from it are frozen. ``shard_params`` (stage 3) makes wrapped groups non-persistent and
+    moves parameters below ``persistence_threshold`` elements into a persistent group.
+    Groups come in module order (root first, the persistent group last); every rank
+    computes the same plan from the same model.
+    """
+    wrapped = wrapped_modules(root, policy)
+    occurrences: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, p in root.named_parameters(remove_duplicate=False):
+        occurrences.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    order = {pid: i for i, pid in enumerate(occurrences)}
+
+    members: dict[str, list[int]] = {name: [] for name in wrapped}
+    small: list[int] = []
+    for pid, names in occurrences.items():
+        if shard_params and params[pid].numel() < persistence_threshold:
+            small.append(pid)
+        else:
+            members[_owner(names, wrapped)].append(pid)
+
+    def plan(module: nn.Module, module_name: str, pids: Sequence[int], persistent: bool) -> GroupPlan:
+        def key(pid: int) -> tuple[int, int]:
+            k = opt_group_of.get(pid, -1)
+            return (k if k >= 0 else 1 << 30, order[pid])
+
+        pids = sorted(pids, key=key)
+        return GroupPlan(
+            module=module,
+            module_name=module_name,
+            names=tuple(occurrences[pid][0] for pid in pids),
+            params=tuple(params[pid] for pid in pids),
+            opt_group=tuple(opt_group_of.get(pid, -1) for pid in pids),
+            persistent=persistent,
+        )
+
+    groups = [plan(wrapped[n], n, pids, not shard_params) for n, pids in members.items() if pids]
+    if small:
+        groups.append(plan(root, "<persistent>", small, True))
+    return groups
