@@ -20,15 +20,19 @@ _PUBLIC = {
     "add_config_arguments": "terascale.config",
     "Engine": "terascale.engine",
     "initialize": "terascale.engine",
+    "estimate_memory": "terascale.zero.estimate",
 }
 __all__ = sorted(_PUBLIC)
 
 if TYPE_CHECKING:
     from terascale.config import Config, ConfigError, add_config_arguments
     from terascale.engine import Engine, initialize
+    from terascale.zero.estimate import estimate_memory
 
 
 def __getattr__(name: str) -> Any:
+    if name == "zero":
+        return importlib.import_module("terascale.zero")
     if name in _PUBLIC:
         return getattr(importlib.import_module(_PUBLIC[name]), name)
     raise AttributeError(f"module 'terascale' has no attribute {name!r}")

@@ -47,6 +47,9 @@ def _rank_checks():
     before = {n: p.detach().clone() for n, p in named}
     objects = [p for _, p in named]
     group = FlatParamGroup(named, ctx.dp_group)
+    # A non-persistent group starts sharded: parameters hold no elements until gathered.
+    assert group.state is ShardState.SHARDED and all(p.numel() == 0 for _, p in named)
+    group.unshard()
 
     # The user's Parameter objects and names survive; their data now lives in the buffer.
     assert [p for _, p in model.named_parameters()] == objects
@@ -79,16 +82,6 @@ def _rank_checks():
     for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=n)
 
-    # Reduce-scatter sums every rank's flat gradient; rank r keeps slice r of the sum.
-    for p in model.parameters():
-        p.grad.mul_(rank + 1)
-    flat_grad = group.flat_grad()
-    out = torch.empty(group.layout.shard_numel)
-    group.reduce_scatter_grad(flat_grad, out)
-    ref_flat = torch.cat([q.grad.reshape(-1) for q in ref_model.parameters()])
-    ref_flat = torch.cat([ref_flat, ref_flat.new_zeros(group.layout.padded_numel - ref_flat.numel())])
-    torch.testing.assert_close(out, ref_flat[lo:hi] * sum(range(1, world + 1)))
-
     # Shards gather in rank order: mark each shard with its rank and read them back.
     group.reshard()
     with torch.no_grad():
@@ -105,6 +98,17 @@ def _rank_checks():
     group.reshard()
     group.unshard()
     assert torch.equal(model[2].bias, torch.full((3,), 42.0))
+
+    # A persistent group keeps its full buffer; its shard is a view of it, and a regather
+    # after the shard changed updates every rank in place.
+    model2 = _model()
+    persistent = FlatParamGroup(list(model2.named_parameters()), ctx.dp_group, persistent=True)
+    assert persistent.state is ShardState.UNSHARDED
+    assert persistent.shard.data_ptr() == persistent.full_buffer[lo:hi].data_ptr()
+    with torch.no_grad():
+        persistent.shard.fill_(float(rank))
+    persistent.regather()
+    assert torch.equal(persistent.full_buffer, expected)
     dist.barrier()
     return repr(group)
 

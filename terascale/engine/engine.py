@@ -66,6 +66,11 @@ class Engine(nn.Module):
             [t.data for t in module.parameters()] + list(module.buffers()), dist_ctx.dp_group
         )
 
+        if optimizer is not None and config.optimizer is not None:
+            raise ValueError(
+                "an optimizer was passed to terascale.initialize and the config has an 'optimizer' "
+                "section; remove one of them"
+            )
         param_groups = _user_param_groups(module, optimizer, model_parameters)
         self._state: ModelState = build_model_state(
             self.module, param_groups, config, dist_ctx, self.precision, wrap_policy
@@ -268,11 +273,6 @@ class Engine(nn.Module):
 
     def _build_optimizer(self, optimizer: OptimizerArg) -> torch.optim.Optimizer:
         section = self.config.optimizer
-        if optimizer is not None and section is not None:
-            raise ValueError(
-                "an optimizer was passed to terascale.initialize and the config has an 'optimizer' "
-                "section; remove one of them"
-            )
         groups = self._state.optimizer_param_groups()
         if isinstance(optimizer, torch.optim.Optimizer):
             adopt_optimizer(optimizer, groups)

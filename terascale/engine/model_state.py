@@ -28,6 +28,7 @@ from terascale.config import Config
 from terascale.engine.clipping import global_grad_norm
 from terascale.engine.precision import MasterWeights, PrecisionPolicy
 from terascale.zero import ShardedState, WrapPolicy, zero_options
+from terascale.zero.init import materialize
 
 
 class ModelState(Protocol):
@@ -80,6 +81,7 @@ class ReplicatedState:
         device: torch.device,
     ) -> None:
         self.module = module
+        materialize(module, precision.compute_dtype, device)  # a model built in zero.Init
         trainable = _ordered_params(module, param_groups)
         self._masters = MasterWeights(trainable, precision)
         self._groups = self._masters.master_param_groups(param_groups)

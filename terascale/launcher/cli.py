@@ -1,4 +1,4 @@
-"""The ``terascale`` command line: ``terascale run ...`` and ``terascale env``.
+"""The ``terascale`` command line: ``terascale run ...``, ``terascale estimate`` and ``terascale env``.
 
 Each subcommand registers itself through one ``_add_<name>`` function and a
 handler, so later subcommands slot in without touching the others. Heavy
@@ -97,6 +97,31 @@ def _env(args: argparse.Namespace) -> int:
     return print_env()
 
 
+def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "estimate",
+        help="memory per rank for each ZeRO stage and offload choice",
+        description="Print the model-state memory each rank needs (device, host, NVMe) for "
+        "ZeRO stages 0-3 with and without optimizer/parameter offload, by the ZeRO formulas.",
+    )
+    p.add_argument("--params", type=float, required=True, help="number of parameters (e.g. 7e9)")
+    p.add_argument("--world", type=int, default=1, help="data-parallel ranks (default 1)")
+    p.add_argument("--largest-layer", type=float, default=None,
+                   help="parameters of the largest layer (stage-3 working set; default params/10)")
+    p.add_argument("--offload", nargs="+", choices=("none", "cpu", "nvme"), default=("none", "cpu", "nvme"),
+                   help="offload choices to list (default: all)")
+    p.set_defaults(handler=_estimate)
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from terascale.zero.estimate import estimate_memory, format_estimates
+
+    largest = int(args.largest_layer) if args.largest_layer else None
+    rows = estimate_memory(int(args.params), args.world, largest_layer_params=largest, offload=tuple(args.offload))
+    print(format_estimates(rows, int(args.params), args.world))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``terascale`` argument parser with one subparser per subcommand."""
     parser = argparse.ArgumentParser(
@@ -106,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_run(subparsers)
     _add_env(subparsers)
+    _add_estimate(subparsers)
     return parser
 
 

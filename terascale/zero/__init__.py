@@ -4,9 +4,13 @@
 ``grads`` reduce-scatters gradients, ``masters`` holds the fp32 master shards the
 optimizer steps, ``schedule`` gathers and frees groups around their use (stage 3), and
 ``sharded`` puts them together as the engine's model state for stages 1-3.
+``Init`` builds a model already partitioned; ``GatheredParameters`` reads or changes
+sharded parameters in full.
 """
 
 from terascale.zero.flat_group import FlatLayout, FlatParamGroup, Fragment, ParamSlot, ShardState
+from terascale.zero.gather import GatheredParameters
+from terascale.zero.init import Init
 from terascale.zero.sharded import ShardedState, ZeroOptions, zero_options
 from terascale.zero.wrap import GroupPlan, WrapPolicy
 
@@ -14,7 +18,9 @@ __all__ = [
     "FlatLayout",
     "FlatParamGroup",
     "Fragment",
+    "GatheredParameters",
     "GroupPlan",
+    "Init",
     "ParamSlot",
     "ShardState",
     "ShardedState",

@@ -118,8 +118,8 @@ class FlatLayout:
 class FlatParamGroup:
     """``named_params`` flattened into one buffer and sharded over the ranks of ``group``.
 
-    Construction copies the parameters (or ``init_values(i, param)``, for parameters
-    whose data is not held locally) into the full buffer and points each parameter's
+    Construction copies the parameters (or ``init_values(i, param)`` of ``shapes[i]``,
+    for parameters whose data is not held locally) into the full buffer and points each parameter's
     ``.data`` at its view of it. ``shard`` is this rank's slice: for a ``persistent``
     group a view of the full buffer (the group never frees it), otherwise a private copy,
     and the group starts SHARDED. :meth:`unshard` all-gathers the full buffer from every
@@ -135,8 +135,10 @@ class FlatParamGroup:
         device: torch.device | None = None,
         persistent: bool = False,
         init_values: Callable[[int, nn.Parameter], torch.Tensor] | None = None,
+        shapes: Sequence[torch.Size] | None = None,
     ) -> None:
-        self.layout = FlatLayout.build([(n, p.shape) for n, p in named_params], dist.get_world_size(group))
+        shapes = shapes or [p.shape for _, p in named_params]
+        self.layout = FlatLayout.build([(n, s) for (n, _), s in zip(named_params, shapes)], dist.get_world_size(group))
         self.names = tuple(n for n, _ in named_params)
         self.params = tuple(p for _, p in named_params)
         if len({id(p) for p in self.params}) != len(self.params):

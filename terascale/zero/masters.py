@@ -111,6 +111,19 @@ class ShardedMasters:
                 self.groups[p.group].shard[p.lo : p.hi].copy_(self.masters[i])
 
     @torch.no_grad()
+    def refresh_from_shard(self, g: int) -> None:
+        """Take new values written into group ``g``'s parameter shard into its masters.
+
+        Only elements whose low-precision value changed are replaced, so masters of
+        untouched parameters keep their full fp32 precision.
+        """
+        for i, (p, m) in enumerate(zip(self.pieces, self.masters)):
+            if p.group == g and not self.shares_storage[i]:
+                new = self.groups[g].shard[p.lo : p.hi]
+                changed = new != m.to(new.dtype)
+                m.copy_(torch.where(changed, new.to(m.dtype), m))
+
+    @torch.no_grad()
     def fp32_shard(self, g: int) -> torch.Tensor:
         """Group ``g``'s shard in fp32, exact (from the masters) wherever a master exists."""
         out = self.groups[g].shard.to(torch.float32, copy=True)

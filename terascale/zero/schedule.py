@@ -76,7 +76,8 @@ class ParamSchedule:
             if self._dynamic[g]:
                 self._handles.append(plan.module.register_forward_pre_hook(self._pre_forward_hook(g)))
                 self._handles.append(plan.module.register_forward_hook(self._post_forward_hook(g)))
-        self.gathers = 0  # all-gathers issued (a count for tests and reports)
+        self.gathers = 0  # all-gathers issued (counts for tests and reports)
+        self.prefetches = 0  # of which ahead of use, along the trace
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -152,6 +153,7 @@ class ParamSchedule:
                 break
             fg.unshard(async_op=True)
             self.gathers += 1
+            self.prefetches += 1
             issued += fg.numel
             live += fg.numel
 

@@ -14,10 +14,11 @@ parameter shards; persistent groups are then all-gathered back to full.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -26,6 +27,7 @@ from terascale.comm.collectives import global_grad_norm
 from terascale.config import Config
 from terascale.config.schema import TORCH_DTYPES
 from terascale.zero.flat_group import FlatParamGroup, ShardState
+from terascale.zero.gather import owner_of, register_owner, unregister
 from terascale.zero.grads import GradPolicy, ShardedGrads
 from terascale.zero.masters import ShardedMasters
 from terascale.zero.schedule import ParamSchedule, SchedulePolicy
@@ -85,8 +87,8 @@ class ShardedState:
 
     ``param_groups`` are the user's optimizer groups over trainable parameters; other
     parameters (frozen) are sharded too at stage 3 but never stepped. The module's
-    parameters must already hold the same values on every rank (or ``init_values``
-    supplies them, see :func:`terascale.zero.Init`).
+    parameters must already hold the same values on every rank, or be partitioned by a
+    :class:`terascale.zero.Init` (their values are then gathered one at a time).
     """
 
     def __init__(
@@ -98,7 +100,6 @@ class ShardedState:
         *,
         dtype: torch.dtype,
         device: torch.device,
-        init_values: Callable[[nn.Parameter], torch.Tensor] | None = None,
     ) -> None:
         self.module = module
         self.options = options
@@ -120,10 +121,17 @@ class ShardedState:
                 dtype=dtype,
                 device=device,
                 persistent=plan.persistent,
-                init_values=None if init_values is None else (lambda i, p: init_values(p)),
+                init_values=lambda i, p: _initial_value(p),
+                shapes=[_initial_shape(p) for p in plan.params],
             )
             for plan in self.plans
         ]
+        for fg in self.groups:
+            for p in fg.params:
+                release = getattr(owner_of(p), "release_ownership", None)
+                if release is not None:
+                    release(p)
+            register_owner(fg.params, self)
         self._group_of = {id(p): g for g, fg in enumerate(self.groups) for p in fg.params}
         self.masters = ShardedMasters(self.plans, self.groups, torch.float32, options.sub_group_size)
         self.schedule = (
@@ -246,6 +254,36 @@ class ShardedState:
             "master_params": self.masters.nbytes(),
         }
 
+    # -- GatheredParameters (see [Note: owner table]) ------------------------------------------
+
+    def gather(self, params: list[nn.Parameter]) -> object:
+        groups = sorted({self._group_of[id(p)] for p in params})
+        was_sharded = [g for g in groups if self.groups[g].state is not ShardState.UNSHARDED]
+        # A persistent group's shard is part of what the caller may change: keep a copy
+        # so that changes without a modifier_rank can be discarded.
+        saved = {g: self.groups[g].shard.clone() for g in groups if self.groups[g].persistent}
+        for g in groups:
+            self.groups[g].unshard()
+            self.groups[g].wait()
+        return groups, was_sharded, saved
+
+    @torch.no_grad()
+    def release(self, params: list[nn.Parameter], token: object, modifier_rank: int | None) -> None:
+        groups, was_sharded, saved = token
+        for g in groups:
+            fg = self.groups[g]
+            if modifier_rank is not None:
+                if fg.layout.world_size > 1:
+                    src = dist.get_global_rank(self.group, modifier_rank)
+                    dist.broadcast(fg.full_buffer, src=src, group=self.group)
+                fg.update_shard_from_full()
+                self.masters.refresh_from_shard(g)
+            elif fg.persistent:
+                fg.shard.copy_(saved[g])  # discard local changes
+                fg.regather()
+        for g in was_sharded:
+            self.groups[g].reshard()
+
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if getattr(optimizer, "needs_whole_parameters", False):
             raise ValueError(
@@ -256,6 +294,18 @@ class ShardedState:
 
     def remove_hooks(self) -> None:
         self.grads.remove_hooks()
+        unregister([p for fg in self.groups for p in fg.params])
         if self.schedule is not None:
             self.schedule.remove_hooks()
 
+
+def _initial_shape(param: nn.Parameter) -> torch.Size:
+    shape_of = getattr(owner_of(param), "shape_of", None)
+    return param.shape if shape_of is None else shape_of(param)
+
+
+def _initial_value(param: nn.Parameter) -> torch.Tensor:
+    """``param``'s value: its data, or gathered from a :class:`~terascale.zero.Init` partition."""
+    owner = owner_of(param)
+    full_value = getattr(owner, "full_value", None)
+    return param.detach() if full_value is None else full_value(param)

@@ -1,0 +1,271 @@
+"""``zero.Init``: build a model already partitioned, so no rank ever holds all of it.
+
+[Note: partitioned construction]
+Inside ``Init``, a parameter is partitioned the moment a module registers it: rank 0's
+values are broadcast, each rank keeps its 1/N slice of the flattened parameter (padded,
+in the target dtype), and the parameter's data becomes an empty tensor. Initialisation
+code runs after registration (``reset_parameters``, a parent's ``self.apply(init_fn)``,
+``weight.data.normal_()``), so while the context is active a ``TorchFunctionMode`` (an
+official torch extension point: nothing is patched) intercepts every torch call that
+touches a partitioned parameter: it gathers that parameter, runs the call on the full
+tensor, and partitions the result again, taking rank 0's values. Shape queries answer
+with the full shape. At most one parameter is full at a time, so construction peaks at
+the shards (2Ψ/N bytes in bf16) plus one parameter.
+
+``terascale.initialize`` then builds its flat groups from these slices, one parameter
+at a time (:meth:`Init.full_value`), and takes the parameters over from the context.
+Every rank must build the same model (the calls above are collectives).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from terascale.comm import all_gather_flat, init_distributed
+from terascale.config import Config
+from terascale.zero.gather import owner_of, register_owner, unregister
+
+
+@dataclass
+class _Slice:
+    shape: torch.Size
+    shard: torch.Tensor  # this rank's elements of the flattened, padded parameter
+
+
+_SHAPE_QUERIES = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel}
+_PASS_THROUGH = {
+    torch.Tensor.requires_grad_,
+    torch.Tensor.register_hook,
+    torch.Tensor.register_post_accumulate_grad_hook,
+}
+
+
+class Init:
+    """Context manager: modules constructed inside have their parameters partitioned.
+
+    ``config`` (a :class:`Config`, dict or path; DeepSpeed's ``config_dict_or_path`` too)
+    supplies the dtype (bf16/fp16 when enabled); ``dtype`` overrides it.
+    ``data_parallel_group`` defaults to the world. ``enabled=False`` does nothing.
+    """
+
+    def __init__(
+        self,
+        config: Config | dict | str | None = None,
+        *,
+        config_dict_or_path: Config | dict | str | None = None,
+        data_parallel_group: dist.ProcessGroup | None = None,
+        dtype: torch.dtype | None = None,
+        remote_device: str | None = None,
+        enabled: bool = True,
+    ) -> None:
+        if remote_device not in (None, "none"):
+            raise ValueError(
+                f"zero.Init(remote_device={remote_device!r}): parameter offload is not built yet; "
+                "leave remote_device unset"
+            )
+        source = config if config is not None else config_dict_or_path
+        cfg = Config.load(source) if source is not None else None
+        self.enabled = enabled
+        self.dtype = dtype or (cfg.compute_dtype if cfg is not None else None)
+        self._group = data_parallel_group
+        self._slices: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> _Slice
+        # A full tensor handed out by ``param.data`` (or a view of one) -> (param, the full tensor).
+        self._views: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._hook = None
+        self._mode: _PartitionMode | None = None
+
+    # -- the context -------------------------------------------------------------------------
+
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        ctx = init_distributed()
+        self.group = self._group or ctx.dp_group
+        self.device = ctx.device
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self._hook = nn.modules.module.register_module_parameter_registration_hook(self._on_register)
+        self._mode = _PartitionMode(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            self._mode = None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    # -- partitioning --------------------------------------------------------------------------
+
+    def _on_register(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is None or param in self._slices or owner_of(param) is not None:
+            return
+        # Our own calls on the parameter must not be intercepted by the mode.
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            full = param.detach().to(self.device)
+            if self.dtype is not None and full.is_floating_point():
+                full = full.to(self.dtype)
+            self._partition(param, full.contiguous())
+
+    @torch.no_grad()
+    def _partition(self, param: nn.Parameter, full: torch.Tensor) -> None:
+        """Take rank 0's ``full`` value of ``param``; keep this rank's slice; empty the param."""
+        if self.world > 1:
+            dist.broadcast(full, src=dist.get_global_rank(self.group, 0), group=self.group)
+        per_rank = max(1, math.ceil(full.numel() / self.world))
+        lo = min(self.rank * per_rank, full.numel())
+        hi = min(lo + per_rank, full.numel())
+        shard = torch.zeros(per_rank, dtype=full.dtype, device=full.device)
+        shard[: hi - lo].copy_(full.reshape(-1)[lo:hi])
+        self._slices[param] = _Slice(full.shape, shard)
+        param.data = torch.empty(0, dtype=full.dtype, device=full.device)
+        register_owner([param], self)
+        del full
+        if shard.device.type == "cpu":
+            _return_freed_host_memory()
+
+    @torch.no_grad()
+    def full_value(self, param: nn.Parameter) -> torch.Tensor:
+        """``param``'s full value, all-gathered from every rank's slice (collective)."""
+        piece = self._slices[param]
+        flat = torch.empty(piece.shard.numel() * self.world, dtype=piece.shard.dtype, device=piece.shard.device)
+        if self.world > 1:
+            all_gather_flat(flat, piece.shard, self.group)
+        else:
+            flat.copy_(piece.shard)
+        return flat[: math.prod(piece.shape)].view(piece.shape)
+
+    def _repartition(self, param: nn.Parameter, full: torch.Tensor) -> None:
+        self._slices.pop(param, None)
+        unregister([param])
+        self._partition(param, full)
+
+    def shape_of(self, param: nn.Parameter) -> torch.Size:
+        return self._slices[param].shape
+
+    def release_ownership(self, param: nn.Parameter) -> None:
+        """Forget ``param`` (an engine now owns its storage)."""
+        self._slices.pop(param, None)
+        unregister([param])
+
+    # -- GatheredParameters ----------------------------------------------------------------------
+
+    def gather(self, params: list[nn.Parameter]) -> object:
+        with torch._C.DisableTorchFunction():
+            for p in params:
+                p.data = self.full_value(p)
+        return None
+
+    def release(self, params: list[nn.Parameter], token: object, modifier_rank: int | None) -> None:
+        with torch._C.DisableTorchFunction():
+            for p in params:
+                full = p.data
+                if modifier_rank is not None and self.world > 1:
+                    dist.broadcast(full, src=dist.get_global_rank(self.group, modifier_rank), group=self.group)
+                if modifier_rank is None:
+                    full = self.full_value(p)  # discard local changes
+                self._repartition(p, full.contiguous())
+
+
+def _return_freed_host_memory() -> None:
+    """Ask glibc to give freed heap pages back to the OS.
+
+    The full parameters freed here sit between the small shards that stay, and glibc
+    keeps such holes (its mmap threshold grows after the first large free), so without
+    this the process's memory would grow as if nothing had been freed.
+    """
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim  # noqa: B018  (glibc only)
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _load_libc()
+
+
+class _PartitionMode(TorchFunctionMode):
+    """Runs torch calls on partitioned parameters in full (see ``[Note: partitioned construction]``)."""
+
+    def __init__(self, init: Init) -> None:
+        super().__init__()
+        self.init = init
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        init = self.init
+        flat, _ = tree_flatten((args, kwargs))
+        params = [t for t in flat if isinstance(t, torch.Tensor) and t in init._slices]
+        views = [t for t in flat if isinstance(t, torch.Tensor) and t in init._views]
+        if not params and not views:
+            return func(*args, **kwargs)
+        if func in _PASS_THROUGH:
+            return func(*args, **kwargs)
+        if params:
+            shape = init.shape_of(params[0])
+            if func in _SHAPE_QUERIES:
+                return getattr(torch.empty(shape, device="meta"), func.__name__)(*args[1:], **kwargs)
+            if func == _SHAPE_GET:
+                return shape
+            if func == _NDIM_GET:
+                return len(shape)
+            if func == _DATA_GET:
+                full = init.full_value(params[0]).clone()
+                init._views[full] = (params[0], full)
+                return full
+            if func == _DATA_SET:
+                param, value = args[0], args[1]
+                init._repartition(param, value.detach().to(init.device).contiguous())
+                return None
+            if getattr(func, "__name__", "") in ("__get__", "__set__"):
+                return func(*args, **kwargs)  # other attributes (dtype, grad, ...) as they are
+        # Any other call: run it on full tensors, then partition what it may have changed.
+        for p in params:
+            p.data = init.full_value(p)
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            for p in params:
+                init._repartition(p, p.data.contiguous())
+            for v in views:
+                p, full = init._views[v]
+                init._repartition(p, full.detach().clone())
+        if views and isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() == views[0].untyped_storage().data_ptr():
+            init._views[out] = init._views[views[0]]  # e.g. weight.data[idx].zero_()
+        return out
+
+
+_DATA_GET = torch.Tensor.data.__get__
+_DATA_SET = torch.Tensor.data.__set__
+_SHAPE_GET = torch.Tensor.shape.__get__
+_NDIM_GET = torch.Tensor.ndim.__get__
+
+
+def materialize(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Give every parameter that a :class:`Init` partitioned its full value again (collective)."""
+    for p in module.parameters():
+        owner = owner_of(p)
+        if isinstance(owner, Init):
+            p.data = owner.full_value(p).to(device=device, dtype=dtype)
+            owner.release_ownership(p)
