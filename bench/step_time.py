@@ -1,7 +1,12 @@
-"""Step time of terascale against plain DDP, side by side, on the same GPT and data.
+"""Step time of terascale ZeRO 0-3 against DDP, FSDP2 and DeepSpeed, side by side.
 
     python bench/step_time.py                      # 2 ranks x 1 thread, 3 interleaved repeats
-    python bench/step_time.py --repeats 5 --steps 30 --width 768
+    python bench/step_time.py --repeats 5 --steps 30 --width 1024 --heads 16
+    python bench/step_time.py --systems ddp,terascale-3,fsdp2,deepspeed-3
+
+DeepSpeed runs from its own environment (``--peers-python``, default /tmp/peers, set up
+as ../shared/BENCHMARKING.md says) with ``DS_ACCELERATOR=cpu`` off-GPU; it is left out
+with a note when that environment is missing. Every system uses torch's fused AdamW.
 
 The driver starts one ``torchrun`` job per (system, repeat), interleaving systems and
 rotating their order so that the machine's drift and noise fall on all of them alike. Each
@@ -26,13 +31,29 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SYSTEMS = ("ddp", "terascale-0")
+SYSTEMS = (
+    "ddp",
+    "terascale-0",
+    "terascale-1",
+    "terascale-2",
+    "terascale-3",
+    "terascale-3-reshard",  # stage 3 that frees every block after forward, like FSDP2's default
+    "fsdp2",  # fully_shard per block + root, reshard_after_forward=True
+    "fsdp2-noreshard",  # reshard_after_forward=False
+    "deepspeed-0",
+    "deepspeed-1",
+    "deepspeed-2",
+    "deepspeed-3",
+)
+DEFAULT_SYSTEMS = SYSTEMS
 LR = 1e-3
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
+    p.add_argument("--peers-python", default="/tmp/peers/bin/python",
+                   help="python of the environment with DeepSpeed installed")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--repeats", type=int, default=3)
@@ -83,7 +104,7 @@ def _ddp(args: argparse.Namespace, model, device):
     return step
 
 
-def _terascale(args: argparse.Namespace, model, device):
+def _terascale(args: argparse.Namespace, model, device, stage: int = 0, **zero):
     import terascale
 
     config = {
@@ -91,7 +112,7 @@ def _terascale(args: argparse.Namespace, model, device):
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": 0},
+        "zero_optimization": {"stage": stage, **zero},
     }
     engine, *_ = terascale.initialize(model=model, config=config)
 
@@ -104,6 +125,64 @@ def _terascale(args: argparse.Namespace, model, device):
     return step
 
 
+def _fsdp2(args: argparse.Namespace, model, device, reshard: bool = True):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = model.to(device)
+    mesh = init_device_mesh(device.type, (int(os.environ["WORLD_SIZE"]),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
+
+    def step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def _deepspeed(args: argparse.Namespace, model, device, stage: int = 0):
+    import deepspeed
+    import torch
+
+    config = {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": stage},
+    }
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+
+    def step(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return step
+
+
+def _build(system: str, args: argparse.Namespace, model, device):
+    if system == "ddp":
+        return _ddp(args, model, device)
+    if system == "terascale-3-reshard":
+        return _terascale(args, model, device, 3, stage3_max_reuse_distance=0)
+    if system.startswith("terascale-"):
+        return _terascale(args, model, device, int(system[-1]))
+    if system.startswith("fsdp2"):
+        return _fsdp2(args, model, device, reshard=system == "fsdp2")
+    if system.startswith("deepspeed-"):
+        return _deepspeed(args, model, device, int(system[-1]))
+    raise AssertionError(system)
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -111,10 +190,17 @@ def worker(args: argparse.Namespace) -> None:
     from terascale.comm import init_distributed
 
     torch.set_num_threads(args.threads)
-    ctx = init_distributed()  # the same group set-up for every system
-    device, rank, world = ctx.device, ctx.rank, ctx.world_size
+    if args.worker.startswith("deepspeed"):
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+    else:
+        ctx = init_distributed()  # the same group set-up for every other system
+        device, rank, world = ctx.device, ctx.rank, ctx.world_size
     model = _model(args)
-    step = {"ddp": _ddp, "terascale-0": _terascale}[args.worker](args, model, device)
+    step = _build(args.worker, args, model, device)
 
     # Real text (stdlib source bytes, ids < 256 of the vocabulary) so the loss falls and the
     # loss-agreement check compares learning curves, not noise around a random-token plateau.
@@ -156,15 +242,30 @@ def worker(args: argparse.Namespace) -> None:
 
 def run_job(args: argparse.Namespace, system: str, result: Path) -> dict:
     forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k not in ("systems", "nproc", "repeats", "worker", "result", "json")]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+                 if k not in ("systems", "nproc", "repeats", "worker", "result", "json", "peers_python")]
+    python = args.peers_python if system.startswith("deepspeed") else sys.executable
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            __file__, f"--worker={system}", f"--result={result}", *forwarded]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    if system.startswith("deepspeed"):
+        env.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/peers-ext")
+        if not _has_cuda():
+            env["DS_ACCELERATOR"] = "cpu"
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{system} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return json.loads(result.read_text())
+
+
+def _params(args: argparse.Namespace) -> int:
+    return sum(p.numel() for p in _model(args).parameters())
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -178,6 +279,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"unknown systems {unknown}; choose from {SYSTEMS}")
     if args.steps <= args.warmup:
         raise SystemExit("--steps must exceed --warmup")
+    if any(s.startswith("deepspeed") for s in systems) and not Path(args.peers_python).exists():
+        print(f"DeepSpeed left out: {args.peers_python} not found (see ../shared/BENCHMARKING.md)", file=sys.stderr)
+        systems = [s for s in systems if not s.startswith("deepspeed")]
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
@@ -197,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     base_ms = statistics.median(t for res in runs[base] for t in res["times"][args.warmup:]) * 1e3
     base_losses = runs[base][0]["losses"]
     print(f"\nGPT {args.layers} layers x {args.width}, vocab {args.vocab}, micro-batch {args.micro_batch} x "
-          f"{args.seq} tokens, {args.nproc} ranks x {args.threads} thread(s), fp32, {runs[base][0]['device']}, "
+          f"{args.seq} tokens, {args.nproc} ranks x {args.threads} thread(s), {_params(args) / 1e6:.1f}M params, fp32, {runs[base][0]['device']}, "
           f"{args.repeats} interleaved repeats x {args.steps - args.warmup} timed steps\n")
     print("| system | ms/step (median) | per-repeat medians | ratio to " + base
           + " | peak memory/rank (MiB) | loss step 1 → last | max Δloss vs " + base + " |")

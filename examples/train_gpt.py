@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     train_data = ByteBlocks(corpus.train, model_config.block_size)
     held_out = ByteBlocks(corpus.held_out, model_config.block_size)
 
+    num_params = model.num_parameters()  # before ZeRO-3 shards the parameters away
     engine, _, loader, _ = terascale.initialize(model=model, config=args.config, training_data=train_data)
     cfg = engine.config
     steps = args.steps
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     flops_per_step = flops_per_iteration(model_config, engine.train_batch_size, model_config.block_size)
     if is_main:
         print(
-            f"GPT {model.num_parameters() / 1e6:.1f}M params ({model_config.n_layer} layers, width "
+            f"GPT {num_params / 1e6:.1f}M params ({model_config.n_layer} layers, width "
             f"{model_config.n_embd}, context {model_config.block_size}) | corpus {corpus.train.numel() / 1e6:.2f} MB "
             f"train / {corpus.held_out.numel() / 1e6:.2f} MB held out from {len(corpus.train_files)} stdlib files\n"
             f"{engine.world_size} ranks on {device.type} | {engine.precision.compute_dtype} | batch "
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
         "world_size": engine.world_size,
         "device": device.type,
         "dtype": str(engine.precision.compute_dtype).removeprefix("torch."),
-        "parameters": model.num_parameters(),
+        "parameters": num_params,
         "steps": steps,
         "skipped_steps": engine.skipped_steps,
         "tokens_per_step": tokens_per_step,
@@ -202,13 +203,14 @@ def main(argv: list[str] | None = None) -> dict:
         "memory_mib_per_rank": mem,
         "train_time_s": sum(step_times),
     }
+    # Every rank generates (the same tokens, same seed): at ZeRO-3 each forward all-gathers.
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    prompt = encode(args.prompt).to(device)
+    ids = engine.module.generate(prompt, args.sample_tokens, temperature=0.8, top_k=40, generator=generator)
     if is_main:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         save_loss_plot(out / "loss.png", losses, evals)
-        generator = torch.Generator(device=device).manual_seed(args.seed)
-        prompt = encode(args.prompt).to(device)
-        ids = engine.module.generate(prompt, args.sample_tokens, temperature=0.8, top_k=40, generator=generator)
         sample = decode(ids.cpu())
         (out / "sample.txt").write_text(sample)
         metrics["wall_time_s"] = time.perf_counter() - wall_start
