@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import test_engine_parity as parity
 import test_precision as precision
 from distributed import run_ranks
+from parity import Case, check
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -19,7 +19,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_stage0_on_cuda_matches_cpu_reference():
     # fp32 on the GPU (TF32 off, PyTorch's default for matmul) against plain PyTorch on the
     # CPU: accumulation, clipping, a tied weight and a parameter unused on some steps.
-    results = parity._check(1, [(3, 0.05, False, False, {}), (2, 0.05, True, True, {})])
+    results = check(1, [Case(gas=3, clip=0.05), Case(gas=2, clip=0.05, tied=True, use_rare=True)])
+    assert all(r[2] == "cuda:0" for r in results[0])
+
+
+def test_zero_stages_on_cuda_match_cpu_reference():
+    # Flat groups, NCCL reduce-scatter/all-gather, storage freeing and re-gathering on the GPU.
+    cases = [Case(stage=s, gas=2, clip=0.05, tied=True, use_rare=True) for s in (1, 2, 3)]
+    results = check(1, cases, zero_unused_grads=True)
     assert all(r[2] == "cuda:0" for r in results[0])
 
 
