@@ -29,6 +29,7 @@ class Case:
     tied: bool = False
     use_rare: bool = False
     frozen: bool = False
+    reuse: bool = False
     extra: dict = field(default_factory=dict)  # more config keys
     zero: dict = field(default_factory=dict)  # more zero_optimization keys
 
@@ -69,7 +70,7 @@ def train_rank(world: int, cases: list[Case]) -> list:
     out = []
     for case in cases:
         # Different seeds per rank: the engine must broadcast rank 0's initial weights.
-        model = make_model(seed=0 if rank == 0 else 100 + rank, tied=case.tied, frozen=case.frozen)
+        model = make_model(seed=0 if rank == 0 else 100 + rank, tied=case.tied, frozen=case.frozen, reuse=case.reuse)
         engine, _, _, _ = terascale.initialize(
             model=model, config=config(world, case), wrap_policy=WrapPolicy(module_classes=(nn.Linear,))
         )
@@ -103,7 +104,7 @@ def check(world: int, cases: list[Case], *, zero_unused_grads: bool = False) -> 
         name = case.describe(world)
         kw = dict(
             lr=LR, weight_decay=WD, clip=case.clip, tied=case.tied, use_rare=case.use_rare,
-            frozen=case.frozen, zero_unused_grads=zero_unused_grads,
+            frozen=case.frozen, reuse=case.reuse, zero_unused_grads=zero_unused_grads,
         )
         global_batch = MICRO * case.gas * world
         ref_losses, ref_state = reference_train(STEPS, global_batch, **kw)

@@ -42,6 +42,10 @@ def test_zero_tied_unused_frozen_and_knobs():
         *(Case(stage=s, gas=2, clip=0.05, tied=True, use_rare=True) for s in STAGES),
         # Frozen input layer (requires_grad=False): sharded at stage 3, never stepped.
         *(Case(stage=s, gas=2, frozen=True) for s in STAGES),
+        # The blocks run twice per forward: gathered, freed and gathered again, in forward
+        # and in backward, with gradients from both calls accumulated before the reduction.
+        *(Case(stage=s, gas=2, clip=0.05, reuse=True) for s in (2, 3)),
+        Case(stage=3, reuse=True, zero={"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}),
         # Where the 1/world happens and which dtype is communicated do not change the result.
         Case(stage=2, extra={"prescale_gradients": True}),
         Case(stage=3, gas=2, extra={"gradient_predivide_factor": 2.0}),

@@ -282,3 +282,31 @@ def _lamb_rank() -> str:
 def test_lamb_is_refused_on_shards():
     (message,) = run_ranks(_lamb_rank, 1)
     assert "Lamb" in message and "stage 0" in message
+
+
+def _save16_rank(out_dir: str) -> dict:
+    import terascale
+
+    plain, *_ = terascale.initialize(model=make_model(), config=_config(3), wrap_policy=_linear_groups())
+    refused = plain.save_16bit_model(out_dir, "refused.safetensors")
+    plain.destroy()
+    config = _config(3)
+    config["bf16"] = {"enabled": True}
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    engine, *_ = terascale.initialize(model=make_model(), config=config, wrap_policy=_linear_groups())
+    _train(engine, 2)
+    saved = engine.save_16bit_model(out_dir, "model.safetensors")
+    return {"refused": refused, "saved": saved, "state": engine.full_state_dict()}
+
+
+def test_save_16bit_model_gathers_stage3_weights(tmp_path):
+    from safetensors.torch import load_file
+
+    r0, _ = run_ranks(_save16_rank, 2, str(tmp_path))
+    assert r0["refused"] is False and not (tmp_path / "refused.safetensors").exists()
+    assert r0["saved"] is True
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    assert weights.keys() == r0["state"].keys()
+    for k, v in weights.items():
+        assert v.dtype == torch.bfloat16 and v.shape == r0["state"][k].shape
+        assert torch.equal(v, r0["state"][k].bfloat16())

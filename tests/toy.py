@@ -12,8 +12,9 @@ IN, HIDDEN, CLASSES = 12, 24, 5
 class MLP(nn.Module):
     """Embedding + MLP classifier with an optional branch used only on some inputs."""
 
-    def __init__(self, tied: bool = False) -> None:
+    def __init__(self, tied: bool = False, reuse: bool = False) -> None:
         super().__init__()
+        self.reuse = reuse  # run ``blocks`` twice per forward (a module called several times)
         self.inp = nn.Linear(IN, HIDDEN)
         self.blocks = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.GELU(), nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, HIDDEN))
         self.head = nn.Linear(HIDDEN, CLASSES)
@@ -28,6 +29,8 @@ class MLP(nn.Module):
         if use_rare:
             h = h + self.rare(h)
         h = h + self.blocks(h)
+        if self.reuse:
+            h = h + self.blocks(h)
         if self.tied:
             # The head's weight is used twice: as the output layer and as an input projection.
             h = h + F.one_hot(y, CLASSES).to(h.dtype) @ self.head.weight
@@ -35,10 +38,10 @@ class MLP(nn.Module):
         return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), y)
 
 
-def make_model(seed: int = 0, tied: bool = False, frozen: bool = False) -> MLP:
+def make_model(seed: int = 0, tied: bool = False, frozen: bool = False, reuse: bool = False) -> MLP:
     """The MLP; ``frozen`` freezes the input layer (partial training, as with adapters)."""
     torch.manual_seed(seed)
-    model = MLP(tied=tied)
+    model = MLP(tied=tied, reuse=reuse)
     if frozen:
         model.inp.requires_grad_(False)
     return model
@@ -68,6 +71,7 @@ def reference_train(
     dtype: torch.dtype = torch.float32,
     data_seed: int = 1,
     frozen: bool = False,
+    reuse: bool = False,
     zero_unused_grads: bool = False,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain single-process PyTorch: full global batch per step, AdamW, clip_grad_norm_.
@@ -75,7 +79,7 @@ def reference_train(
     ``zero_unused_grads`` gives a trainable parameter that got no gradient a zero one
     (ZeRO's semantics) instead of leaving it ``None`` (skipped by AdamW).
     """
-    model = make_model(tied=tied, frozen=frozen).to(dtype)
+    model = make_model(tied=tied, frozen=frozen, reuse=reuse).to(dtype)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
     x, y = make_data(steps, global_batch, seed=data_seed)

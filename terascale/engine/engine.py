@@ -1,14 +1,16 @@
 """The training engine: forward, backward and step with accumulation, precision and clipping.
 
-The engine orchestrates; the pieces it calls do the work: ``comm.GradientBuckets``
-averages gradients across data-parallel ranks, ``precision.MasterWeights`` holds the
-fp32 masters, ``loss_scaler`` and ``clipping`` act on the averaged gradients, and the
-optimizer/scheduler come from ``terascale.optim``.
+The engine orchestrates; the pieces it calls do the work: the model state
+(``model_state``: replicated at stage 0, ``terascale.zero`` sharded at stages 1-3, see
+``[Note: model state]``) holds parameters, gradients and fp32 masters and reduces the
+gradients, ``loss_scaler`` and ``clipping`` act on the reduced gradients, and the
+optimizer/scheduler come from ``terascale.optim``. The train step has no per-stage code.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from collections.abc import Iterable
 from typing import Any, Callable
 
@@ -234,6 +236,38 @@ class Engine(nn.Module):
         it on every rank.
         """
         return self._state.full_state_dict()
+
+    def save_16bit_model(self, save_dir: str | Path, save_filename: str = "pytorch_model.bin") -> bool:
+        """Write the model's weights in the compute dtype to ``save_dir/save_filename`` (rank 0).
+
+        Collective. ``.safetensors`` names are written with safetensors, others with
+        ``torch.save``. At ZeRO stage 3 this needs
+        ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (as in DeepSpeed):
+        without it nothing is written and False is returned.
+        """
+        zero = self.config.zero_optimization
+        if zero.stage == 3 and not zero.gather_16bit_weights_on_model_save:
+            logger.warning(
+                "save_16bit_model: nothing saved; at stage 3 set "
+                "zero_optimization.stage3_gather_16bit_weights_on_model_save to true"
+            )
+            return False
+        dtype = self.precision.compute_dtype
+        state = {
+            k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.full_state_dict().items()
+        }
+        if self.dist.rank == 0:
+            path = Path(save_dir) / save_filename
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            if path.suffix == ".safetensors":
+                from safetensors.torch import save_file
+
+                save_file(state, str(tmp))  # full_state_dict copies every name: nothing shared
+            else:
+                torch.save(state, tmp)
+            tmp.replace(path)  # atomic: a failed write leaves the previous file intact
+        return True
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes of model state this rank holds now, by kind.

@@ -75,17 +75,3 @@ class MasterWeights:
         """Write the updated masters into the model's low-precision parameters."""
         if self._copy_pairs:
             torch._foreach_copy_([p for p, _ in self._copy_pairs], [m for _, m in self._copy_pairs])
-
-
-def remap_optimizer(optimizer: torch.optim.Optimizer, masters: MasterWeights) -> None:
-    """Point a client optimizer built over the model's parameters at their masters.
-
-    The optimizer must not have state yet: its moments would belong to the wrong tensors.
-    """
-    if optimizer.state:
-        raise ValueError(
-            "the optimizer passed to terascale.initialize already has state; construct it "
-            "fresh over model.parameters() (terascale gives it fp32 master weights)"
-        )
-    for group in optimizer.param_groups:
-        group["params"] = [masters.master_of(p) for p in group["params"]]

@@ -19,9 +19,7 @@ Every rank must build the same model (the calls above are collectives).
 
 from __future__ import annotations
 
-import ctypes
 import math
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from terascale.comm import all_gather_flat, init_distributed
 from terascale.config import Config
 from terascale.zero.gather import owner_of, register_owner, unregister
+from terascale.zero.host import return_freed_host_memory
 
 
 @dataclass
@@ -135,7 +134,7 @@ class Init:
         register_owner([param], self)
         del full
         if shard.device.type == "cpu":
-            _return_freed_host_memory()
+            return_freed_host_memory()
 
     @torch.no_grad()
     def full_value(self, param: nn.Parameter) -> torch.Tensor:
@@ -178,31 +177,6 @@ class Init:
                 if modifier_rank is None:
                     full = self.full_value(p)  # discard local changes
                 self._repartition(p, full.contiguous())
-
-
-def _return_freed_host_memory() -> None:
-    """Ask glibc to give freed heap pages back to the OS.
-
-    The full parameters freed here sit between the small shards that stay, and glibc
-    keeps such holes (its mmap threshold grows after the first large free), so without
-    this the process's memory would grow as if nothing had been freed.
-    """
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _load_libc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim  # noqa: B018  (glibc only)
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-_LIBC = _load_libc()
 
 
 class _PartitionMode(TorchFunctionMode):

@@ -29,6 +29,7 @@ from terascale.config.schema import TORCH_DTYPES
 from terascale.zero.flat_group import FlatParamGroup, ShardState
 from terascale.zero.gather import owner_of, register_owner, unregister
 from terascale.zero.grads import GradPolicy, ShardedGrads
+from terascale.zero.host import return_freed_host_memory
 from terascale.zero.masters import ShardedMasters
 from terascale.zero.schedule import ParamSchedule, SchedulePolicy
 from terascale.zero.wrap import GroupPlan, WrapPolicy, plan_groups
@@ -132,6 +133,8 @@ class ShardedState:
                 if release is not None:
                     release(p)
             register_owner(fg.params, self)
+        if device.type == "cpu":
+            return_freed_host_memory()  # the full copies of sharded parameters are gone
         self._group_of = {id(p): g for g, fg in enumerate(self.groups) for p in fg.params}
         self.masters = ShardedMasters(self.plans, self.groups, torch.float32, options.sub_group_size)
         self.schedule = (
