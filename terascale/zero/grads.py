@@ -82,6 +82,7 @@ class ShardedGrads:
         # Backward runs roughly last group to first: launch in that order.
         self._order = [g for g in reversed(range(len(self.groups))) if self._expected[g] > 0]
         self._flat: list[torch.Tensor | None] = [None] * len(self.groups)
+        self._spare: list[torch.Tensor] = []  # reduced full buffers kept for reuse (stages 2-3)
         self.shards: list[torch.Tensor | None] = [None] * len(self.groups)
         self._count = [0] * len(self.groups)
         self._done = [False] * len(self.groups)
@@ -136,8 +137,12 @@ class ShardedGrads:
 
     def _buffer(self, g: int) -> torch.Tensor:
         if self._flat[g] is None:
-            fg = self.groups[g]
-            self._flat[g] = torch.zeros(fg.layout.padded_numel, dtype=self.policy.dtype, device=fg.device)
+            numel = self.groups[g].layout.padded_numel
+            spare = next((i for i, t in enumerate(self._spare) if t.numel() == numel), None)
+            if spare is None:
+                self._flat[g] = torch.zeros(numel, dtype=self.policy.dtype, device=self.groups[g].device)
+            else:
+                self._flat[g] = self._spare.pop(spare).zero_()
         return self._flat[g]
 
     def _launch_ready(self) -> None:
@@ -187,7 +192,16 @@ class ShardedGrads:
             self.shards[g] = reduced.to(pol.dtype, copy=True)
         else:
             self.shards[g].add_(reduced)
-        self._flat[g] = None
+        self._retire(g)
+
+    def _retire(self, g: int) -> None:
+        # Stages 2-3: keep the reduced full buffer for the next group of the same size
+        # (transformer blocks all match), so backward reuses a few buffers instead of
+        # allocating and faulting in fresh memory for every group on every micro-step.
+        # Two suffice (one accumulating while one is reduced); older ones are dropped.
+        if self._flat[g] is not None:
+            self._spare = [*self._spare[-1:], self._flat[g]]
+            self._flat[g] = None
 
     def post_backward(self) -> None:
         """End a backward: on a synchronising one, reduce every group left and wait for all.
@@ -207,7 +221,7 @@ class ShardedGrads:
         """Forget the gradients of the finished window."""
         for g in range(len(self.groups)):
             if self.policy.reduce_every_micro_step:
-                self._flat[g] = None
+                self._retire(g)
             elif self._flat[g] is not None:
                 self._flat[g].zero_()
             self.shards[g] = None
@@ -218,6 +232,10 @@ class ShardedGrads:
         self._handles = []
 
     # -- accounting ----------------------------------------------------------------------------
+
+    def spare_nbytes(self) -> int:
+        """Bytes of full buffers kept for reuse between reductions (a working set, not state)."""
+        return sum(t.numel() * t.element_size() for t in self._spare)
 
     def nbytes(self) -> int:
         """Bytes of gradient storage this rank holds right now (buffers and shards)."""

@@ -254,6 +254,7 @@ class ShardedState:
             "params": params,
             "gathered_params": gathered,
             "grads": self.grads.nbytes(),
+            "grad_buffers": self.grads.spare_nbytes(),
             "master_params": self.masters.nbytes(),
         }
 
