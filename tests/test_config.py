@@ -545,23 +545,14 @@ def test_every_zero_stage_is_built(stage: int) -> None:
     Config.load({"zero_optimization": {"stage": stage}}).require_built()
 
 
-def test_require_built_refuses_offload() -> None:
-    problems = _unbuilt(
-        {
-            "zero_optimization": {
-                "offload_optimizer": {"device": "cpu"},
-                "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"},
-            }
-        }
-    )
-    assert problems == [
-        "zero_optimization.offload_optimizer.device=cpu: optimizer offload to CPU is not built"
-        " yet in this version of terascale",
-        "zero_optimization.offload_param.device=nvme: parameter offload to NVMe is not built"
-        " yet in this version of terascale",
-    ]
-    (deprecated,) = _unbuilt({"zero_optimization": {"cpu_offload": True}})
-    assert deprecated.startswith("zero_optimization.cpu_offload=true (deprecated; means ")
+def test_offload_settings_are_built() -> None:
+    offload = {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu"},
+        "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"},
+    }
+    Config.load({"zero_optimization": offload}).require_built()
+    Config.load({"zero_optimization": {"stage": 2, "cpu_offload": True}}).require_built()
 
 
 def test_require_built_lists_everything_at_once() -> None:

@@ -194,11 +194,11 @@ FEATURES: tuple[Feature, ...] = (
     Feature("ZeRO stage 1", True, _stage(1)),
     Feature("ZeRO stage 2", True, _stage(2)),
     Feature("ZeRO stage 3", True, _stage(3)),
+    Feature("optimizer offload to CPU", True, _offload("offload_optimizer", "cpu")),
+    Feature("optimizer offload to NVMe", True, _offload("offload_optimizer", "nvme")),
+    Feature("parameter offload to CPU", True, _offload("offload_param", "cpu")),
+    Feature("parameter offload to NVMe", True, _offload("offload_param", "nvme")),
     # Not built yet.
-    Feature("optimizer offload to CPU", False, _offload("offload_optimizer", "cpu")),
-    Feature("optimizer offload to NVMe", False, _offload("offload_optimizer", "nvme")),
-    Feature("parameter offload to CPU", False, _offload("offload_param", "cpu")),
-    Feature("parameter offload to NVMe", False, _offload("offload_param", "nvme")),
     Feature(
         "ZeRO++ quantized communication",
         False,

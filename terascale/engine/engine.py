@@ -276,12 +276,21 @@ class Engine(nn.Module):
         shards at stage 3), ``gathered_params`` (stage 3: full groups gathered right now),
         ``grads`` (accumulation buffers and gradient shards), ``grad_buffers`` (stages
         2-3: full gradient buffers kept between reductions for reuse, a working set
-        bounded by the reduce bucket), ``master_params`` (fp32
+        bounded by the reduce bucket), ``offload_buffers`` and ``nvme`` (optimizer offload to
+        NVMe: host swap buffers, and bytes in this rank's swap files), ``master_params`` (fp32
         masters not shared with ``params``), ``optimizer_state`` (moments etc.),
         ``buffers`` (module buffers), and ``model_states``, the sum of params, grads,
         masters and optimizer state - the quantity of the ZeRO memory formulas.
         """
-        out = {"params": 0, "gathered_params": 0, "grads": 0, "grad_buffers": 0, "master_params": 0}
+        out = {
+            "params": 0,
+            "gathered_params": 0,
+            "grads": 0,
+            "grad_buffers": 0,
+            "master_params": 0,
+            "offload_buffers": 0,
+            "nvme": 0,
+        }
         out.update(self._state.memory())
         out["optimizer_state"] = sum(
             t.numel() * t.element_size()

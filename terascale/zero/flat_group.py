@@ -23,6 +23,7 @@ import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,16 @@ class ShardState(enum.Enum):
     SHARDED = "sharded"  # only this rank's shard holds data; the full buffer's storage is freed
     GATHERING = "gathering"  # an all-gather into the full buffer is in flight
     UNSHARDED = "unsharded"  # the full buffer holds every parameter; parameters are views of it
+
+
+class ShardHome(Protocol):
+    """Where a group's shard lives between gathers (an offload tier, see terascale.offload)."""
+
+    def ready(self, fg: FlatParamGroup) -> None:
+        """Make ``fg.shard`` hold this rank's values on ``fg.device`` (waits for a fetch)."""
+
+    def consumed(self, fg: FlatParamGroup) -> None:
+        """The gather has copied ``fg.shard`` into the full buffer; it may go away again."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +165,7 @@ class FlatParamGroup:
         self.group = group
         self.rank = dist.get_rank(group)
         self.persistent = persistent
+        self.home: ShardHome | None = None  # set by an offload tier; None: the shard stays here
 
         self._full = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
@@ -199,11 +211,19 @@ class FlatParamGroup:
         self._gather(async_op)
 
     def _gather(self, async_op: bool) -> None:
-        if self.layout.world_size == 1:
-            if self.shard.data_ptr() != self._full.data_ptr():
-                self._full.copy_(self.shard)
-        else:
-            self._work = all_gather_flat(self._full, self.shard, self.group, async_op=async_op)
+        lo, hi = self.layout.shard_range(self.rank)
+        own = self._full[lo:hi]
+        if self.home is not None:
+            # Copy the shard into place first: the offload tier gets its buffer back at once.
+            self.home.ready(self)
+            with torch.no_grad():
+                own.copy_(self.shard)
+            self.home.consumed(self)
+        elif own.data_ptr() != self.shard.data_ptr():
+            with torch.no_grad():
+                own.copy_(self.shard)
+        if self.layout.world_size > 1:
+            self._work = all_gather_flat(self._full, own, self.group, async_op=async_op)
         self.state = ShardState.GATHERING
         if not async_op:
             self.wait()

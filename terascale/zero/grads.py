@@ -14,6 +14,8 @@ Stage 1 keeps the full flat buffers for the whole accumulation window and reduce
 on the last micro-step; this rank's gradient shard is then a view of its own slice of
 the buffer (no extra memory). Stages 2 and 3 reduce on every micro-step, add the
 reduced slice into a separate shard-sized accumulator and drop the full buffer.
+Buffers are never zeroed whole: a slot's first gradient is copied in and later ones
+added, and only the padding and slots without a gradient are zeroed before a reduction.
 
 A parameter that gets no gradient on a rank contributes zeros; one unused on every
 rank gets a zero gradient (DeepSpeed's ZeRO semantics; stage 0 leaves it ``None``).
@@ -83,6 +85,9 @@ class ShardedGrads:
         self._order = [g for g in reversed(range(len(self.groups))) if self._expected[g] > 0]
         self._flat: list[torch.Tensor | None] = [None] * len(self.groups)
         self._spare: list[torch.Tensor] = []  # reduced full buffers kept for reuse (stages 2-3)
+        self._shard_store: list[torch.Tensor | None] = [None] * len(self.groups)
+        # Which slots of each flat buffer hold a gradient since the buffer was (re)started.
+        self._written = [[False] * len(fg.params) for fg in self.groups]
         self.shards: list[torch.Tensor | None] = [None] * len(self.groups)
         self._count = [0] * len(self.groups)
         self._done = [False] * len(self.groups)
@@ -123,7 +128,12 @@ class ShardedGrads:
                     "micro-step); use torch.utils.checkpoint(..., use_reentrant=False) or sum the "
                     "losses before engine.backward"
                 )
-            self._buffer(g)[slot.offset : slot.offset + slot.numel].add_(p.grad.reshape(-1))
+            dst = self._buffer(g)[slot.offset : slot.offset + slot.numel]
+            if self._written[g][i]:
+                dst.add_(p.grad.reshape(-1))
+            else:  # the buffer is not zeroed in advance (see _fill_unwritten)
+                dst.copy_(p.grad.reshape(-1))
+                self._written[g][i] = True
             p.grad = None
             self._count[g] += 1
             if self._count[g] == self._expected[g]:
@@ -140,10 +150,23 @@ class ShardedGrads:
             numel = self.groups[g].layout.padded_numel
             spare = next((i for i, t in enumerate(self._spare) if t.numel() == numel), None)
             if spare is None:
-                self._flat[g] = torch.zeros(numel, dtype=self.policy.dtype, device=self.groups[g].device)
+                self._flat[g] = torch.empty(numel, dtype=self.policy.dtype, device=self.groups[g].device)
             else:
-                self._flat[g] = self._spare.pop(spare).zero_()
+                self._flat[g] = self._spare.pop(spare)
+            self._written[g] = [False] * len(self._written[g])
         return self._flat[g]
+
+    @torch.no_grad()
+    def _fill_unwritten(self, g: int) -> None:
+        """Zero what no gradient was written to since the buffer was (re)started: the
+        padding and the slots of parameters without a gradient. Buffers are never zeroed
+        whole: the first gradient of each slot is copied in, later ones added."""
+        flat, layout = self._buffer(g), self.groups[g].layout
+        flat[layout.numel :].zero_()
+        for i, (slot, written) in enumerate(zip(layout.slots, self._written[g])):
+            if not written:
+                flat[slot.offset : slot.offset + slot.numel].zero_()
+                self._written[g][i] = True
 
     def _launch_ready(self) -> None:
         while self._next < len(self._order) and self._done[self._order[self._next]]:
@@ -151,6 +174,7 @@ class ShardedGrads:
             self._next += 1
 
     def _launch(self, g: int) -> None:
+        self._fill_unwritten(g)
         flat = self._buffer(g)
         pol = self.policy
         comm = flat if pol.comm_dtype in (None, flat.dtype) else flat.to(pol.comm_dtype)
@@ -189,7 +213,11 @@ class ShardedGrads:
             self.shards[g] = flat[lo:hi]
             return
         if self.shards[g] is None:
-            self.shards[g] = reduced.to(pol.dtype, copy=True)
+            # The shard's storage is kept across windows (it is model state: 2Ψ/N bytes).
+            if self._shard_store[g] is None:
+                self._shard_store[g] = torch.empty(hi - lo, dtype=pol.dtype, device=reduced.device)
+            self.shards[g] = self._shard_store[g]
+            self.shards[g].copy_(reduced)
         else:
             self.shards[g].add_(reduced)
         self._retire(g)
@@ -222,8 +250,7 @@ class ShardedGrads:
         for g in range(len(self.groups)):
             if self.policy.reduce_every_micro_step:
                 self._retire(g)
-            elif self._flat[g] is not None:
-                self._flat[g].zero_()
+            self._written[g] = [False] * len(self._written[g])  # stage 1: overwrite next window
             self.shards[g] = None
 
     def remove_hooks(self) -> None:
@@ -241,7 +268,7 @@ class ShardedGrads:
         """Bytes of gradient storage this rank holds right now (buffers and shards)."""
         seen: set[int] = set()
         total = 0
-        for t in [*self._flat, *self.shards]:
+        for t in [*self._flat, *self.shards, *self._shard_store]:
             if t is not None and t.untyped_storage().data_ptr() not in seen:
                 seen.add(t.untyped_storage().data_ptr())
                 total += t.untyped_storage().nbytes()

@@ -9,11 +9,13 @@ in one kernel. Where the model already computes in fp32 the master is a view of 
 parameter shard itself and no memory is spent twice. Frozen parameters and padding are
 in no piece. Pieces may be split further so that no optimizer call handles more than
 ``sub_group_size`` elements at once (the fp32 gradients are materialised per call).
+Consecutive pieces form *runs*, one optimizer call each: a run ends before it would
+exceed ``sub_group_size``, and at the end of a group once it has a million elements.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +23,9 @@ from torch import nn
 
 from terascale.zero.flat_group import FlatParamGroup
 from terascale.zero.wrap import GroupPlan
+
+
+RUN_SPLIT_NUMEL = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,14 @@ def _pieces(plan: GroupPlan, fg: FlatParamGroup, g: int, max_numel: int) -> list
 
 
 class ShardedMasters:
-    """One master tensor per :class:`Piece` of this rank's shards."""
+    """One master tensor per :class:`Piece` of this rank's shards.
+
+    Masters live on ``device`` (default: the shards' device; the host for optimizer
+    offload). A master shares the shard's storage when both are fp32 on one device and
+    ``share_storage`` allows it; an offload tier that moves masters away needs copies.
+    With ``create=False`` the masters start empty and :meth:`create_run` fills them one
+    optimizer run at a time, so an offload tier can move each away before the next exists.
+    """
 
     def __init__(
         self,
@@ -62,17 +74,35 @@ class ShardedMasters:
         groups: Sequence[FlatParamGroup],
         master_dtype: torch.dtype = torch.float32,
         sub_group_size: int = 1_000_000_000,
+        *,
+        device: torch.device | None = None,
+        share_storage: bool = True,
+        create: bool = True,
     ) -> None:
         self.groups = list(groups)
         self.pieces = [p for g, (plan, fg) in enumerate(zip(plans, groups)) for p in _pieces(plan, fg, g, sub_group_size)]
-        self.masters: list[nn.Parameter] = []
-        with torch.no_grad():
-            for piece in self.pieces:
-                shard = self.groups[piece.group].shard[piece.lo : piece.hi]
-                data = shard if shard.dtype == master_dtype else shard.to(master_dtype)
-                self.masters.append(nn.Parameter(data, requires_grad=True))
-        self.shares_storage = [m.data_ptr() == self.groups[p.group].shard[p.lo :].data_ptr() for p, m in zip(self.pieces, self.masters)]
         self.sub_group_size = max(1, sub_group_size)
+        self.runs = self._runs()
+        self.dtype = master_dtype
+        self.device = device
+        self._share = share_storage
+        self.masters = [nn.Parameter(torch.empty(0, dtype=master_dtype, device=device)) for _ in self.pieces]
+        self.shares_storage = [False] * len(self.pieces)
+        if create:
+            for run in self.runs:
+                self.create_run(run)
+
+    @torch.no_grad()
+    def create_run(self, run: Sequence[int], device: torch.device | None = None) -> None:
+        """Give the masters of pieces ``run`` their values from the parameter shards, on
+        ``device`` (default: the masters' device)."""
+        for i in run:
+            piece = self.pieces[i]
+            shard = self.groups[piece.group].shard[piece.lo : piece.hi]
+            device = device or self.device or shard.device
+            share = self._share and shard.dtype == self.dtype and shard.device == device
+            self.masters[i].data = shard if share else shard.to(device=device, dtype=self.dtype, copy=True)
+            self.shares_storage[i] = share
 
     def param_groups(self, options: Sequence[dict]) -> list[dict]:
         """Optimizer param groups: the user's options with this rank's master pieces as params."""
@@ -92,10 +122,16 @@ class ShardedMasters:
 
     def sub_groups(self) -> list[list[int]]:
         """Piece indices in runs of at most ``sub_group_size`` elements (one optimizer call each)."""
+        return self.runs
+
+    def _runs(self) -> list[list[int]]:
+        # A run also ends where a group ends once it holds RUN_SPLIT_NUMEL elements, so the
+        # step can start all-gathering a finished group while it updates the next one.
         runs: list[list[int]] = [[]]
         numel = 0
         for i, p in enumerate(self.pieces):
-            if runs[-1] and numel + (p.hi - p.lo) > self.sub_group_size:
+            at_group_end = runs[-1] and self.pieces[runs[-1][-1]].group != p.group and numel >= RUN_SPLIT_NUMEL
+            if runs[-1] and (numel + (p.hi - p.lo) > self.sub_group_size or at_group_end):
                 runs.append([])
                 numel = 0
             runs[-1].append(i)
@@ -103,12 +139,16 @@ class ShardedMasters:
         return [r for r in runs if r]
 
     @torch.no_grad()
-    def write_to_shards(self, indices: Sequence[int]) -> None:
-        """Copy updated masters into the low-precision parameter shards."""
+    def write_to_shards(self, indices: Sequence[int], write: Callable[[int, int, torch.Tensor], None] | None = None) -> None:
+        """Copy updated masters into the low-precision parameter shards, or hand each to
+        ``write(group, lo, master)`` (an offload tier that holds the shard elsewhere)."""
         for i in indices:
             if not self.shares_storage[i]:
                 p = self.pieces[i]
-                self.groups[p.group].shard[p.lo : p.hi].copy_(self.masters[i])
+                if write is None:
+                    self.groups[p.group].shard[p.lo : p.hi].copy_(self.masters[i])
+                else:
+                    write(p.group, p.lo, self.masters[i])
 
     @torch.no_grad()
     def refresh_from_shard(self, g: int) -> None:
@@ -133,5 +173,5 @@ class ShardedMasters:
         return out
 
     def nbytes(self) -> int:
-        """Bytes of master storage that is not shared with the parameter shards."""
+        """Bytes of master storage in memory that is not shared with the parameter shards."""
         return sum(m.numel() * m.element_size() for m, shared in zip(self.masters, self.shares_storage) if not shared)

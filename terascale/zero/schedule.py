@@ -26,7 +26,7 @@ all-gathers are collectives.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,10 +60,16 @@ class ParamSchedule:
     """Gathers and frees the non-persistent ``groups`` around their modules' use."""
 
     def __init__(
-        self, plans: Sequence[GroupPlan], groups: Sequence[FlatParamGroup], policy: SchedulePolicy
+        self,
+        plans: Sequence[GroupPlan],
+        groups: Sequence[FlatParamGroup],
+        policy: SchedulePolicy,
+        fetch: Callable[[int], bool] | None = None,
     ) -> None:
         self.groups = list(groups)
         self.policy = policy
+        # Starts reading an offloaded shard ahead of its gather; False when no buffer is free.
+        self._fetch = fetch
         self._dynamic = [not fg.persistent for fg in self.groups]
         self._root = next((g for g, plan in enumerate(plans) if plan.module_name == ""), -1)
         self._has_frozen = [any(k < 0 for k in plan.opt_group) for plan in plans]
@@ -156,6 +162,11 @@ class ParamSchedule:
             self.prefetches += 1
             issued += fg.numel
             live += fg.numel
+        if self._fetch is not None:
+            # Reads from NVMe run further ahead than gathers: as far as free buffers allow.
+            for g in self.trace[self._cursor :]:
+                if self.groups[g].state is ShardState.SHARDED and not self._fetch(g):
+                    break
 
     def _reused_soon(self, g: int) -> bool:
         """Whether the trace uses ``g`` again within the reuse distance and the budget allows."""

@@ -14,6 +14,7 @@ parameter shards; persistent groups are then all-gathered back to full.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,6 +27,10 @@ from terascale.comm import all_gather_flat, duplicate_group
 from terascale.comm.collectives import global_grad_norm
 from terascale.config import Config
 from terascale.config.schema import TORCH_DTYPES
+from terascale.offload import AsyncIO, OptimizerOffload, host_adam, optimizer_offload
+from terascale.offload.optimizer import OptimizerSwapper
+from terascale.offload.params import OffloadedParams, ParamOffload, param_offload
+from terascale.offload.swap import SwapDirectory
 from terascale.zero.flat_group import FlatParamGroup, ShardState
 from terascale.zero.gather import owner_of, register_owner, unregister
 from terascale.zero.grads import GradPolicy, ShardedGrads
@@ -46,9 +51,12 @@ class ZeroOptions:
     persistence_threshold: int = 100_000
     sub_group_size: int = 1_000_000_000
     allgather_bucket_numel: int = 500_000_000
+    offload_optimizer: OptimizerOffload = field(default_factory=OptimizerOffload)
+    offload_param: ParamOffload = field(default_factory=ParamOffload)
 
     def __post_init__(self) -> None:
         assert self.stage in (1, 2, 3), self.stage
+        assert self.stage == 3 or not self.offload_param.enabled, "parameter offload needs stage 3"
 
 
 def zero_options(config: Config, wrap: WrapPolicy | None = None) -> ZeroOptions:
@@ -80,6 +88,8 @@ def zero_options(config: Config, wrap: WrapPolicy | None = None) -> ZeroOptions:
         persistence_threshold=int(zero.param_persistence_threshold),
         sub_group_size=int(zero.sub_group_size),
         allgather_bucket_numel=int(zero.allgather_bucket_size),
+        offload_optimizer=optimizer_offload(config),
+        offload_param=param_offload(config),
     )
 
 
@@ -136,9 +146,21 @@ class ShardedState:
         if device.type == "cpu":
             return_freed_host_memory()  # the full copies of sharded parameters are gone
         self._group_of = {id(p): g for g, fg in enumerate(self.groups) for p in fg.params}
-        self.masters = ShardedMasters(self.plans, self.groups, torch.float32, options.sub_group_size)
+        self.masters, self.swapper = self._place_masters(options.offload_optimizer)
+        # After the masters, which are made from the shards this may move away.
+        self.params = (
+            OffloadedParams(
+                self.groups, [g for g, fg in enumerate(self.groups) if not fg.persistent], options.offload_param,
+                dist.get_rank(group),
+            )
+            if options.offload_param.enabled
+            else None
+        )  # fmt: skip
+        nvme_params = self.params is not None and options.offload_param.device == "nvme"
         self.schedule = (
-            ParamSchedule(self.plans, self.groups, options.schedule) if options.stage == 3 else None
+            ParamSchedule(self.plans, self.groups, options.schedule, fetch=self.params.fetch if nvme_params else None)
+            if options.stage == 3
+            else None
         )
         self.grads = ShardedGrads(
             self.groups,
@@ -147,6 +169,36 @@ class ShardedState:
             options.grads,
             on_group_done=None if self.schedule is None else self.schedule.on_grads_done,
         )
+
+    def _place_masters(self, tier: OptimizerOffload) -> tuple[ShardedMasters, OptimizerSwapper | None]:
+        """fp32 masters on the optimizer's tier; the first ``tier.ratio`` of the runs there,
+        the rest with the parameter shards (see [Note: optimizer swapping])."""
+        host = torch.device("cpu")
+        masters = ShardedMasters(
+            self.plans,
+            self.groups,
+            torch.float32,
+            self.options.sub_group_size,
+            device=host if tier.enabled else None,
+            # Masters that alias a shard would move (or vanish) with it.
+            share_storage=tier.device != "nvme" and not self.options.offload_param.enabled,
+            create=False,
+        )
+        total = sum(p.hi - p.lo for p in masters.pieces)
+        offloaded, numel = [], 0
+        for run in masters.runs:
+            if tier.enabled and numel < tier.ratio * total:
+                offloaded.append(run)
+                numel += sum(masters.pieces[i].hi - masters.pieces[i].lo for i in run)
+            else:  # no offload, or beyond the ratio: with the parameter shards
+                masters.create_run(run, device=self.device)
+        if tier.device != "nvme":
+            for run in offloaded:
+                masters.create_run(run)
+            return masters, None
+        directory = SwapDirectory(tier.nvme_path, "optimizer", dist.get_rank())
+        aio = AsyncIO(tier.aio)
+        return masters, OptimizerSwapper(masters, offloaded, directory, aio, tier.buffer_count, pin_memory=tier.pin_memory)
 
     # -- the train step ----------------------------------------------------------------------
 
@@ -168,33 +220,55 @@ class ShardedState:
     def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
         """Unscale/clip by ``multiplier``, step each sub-group, refresh persistent groups."""
         pieces = self.masters.grad_pieces(self.grads.shards)
-        multiplier = multiplier.to(self.device)
-        for run in self.masters.sub_groups():
-            grads = [pieces[i].to(torch.float32) for i in run]
-            torch._foreach_mul_(grads, multiplier)
+        masters = self.masters.masters
+        write = None if self.params is None else self.params.write_piece
+        if self.params is not None:
+            self.params.settle()
+
+        fused_host = self.options.offload_optimizer.enabled and host_adam.supports(optimizer)
+
+        def step_run(run: list[int]) -> None:
+            if fused_host and all(masters[i].device.type == "cpu" for i in run):
+                # [Note: host Adam]: widen, step and narrow per cached chunk.
+                outs = [self._host_output(i, write) for i in run]
+                host_adam.step(optimizer, [masters[i] for i in run], [pieces[i] for i in run], multiplier.cpu(), outs)
+                self.masters.write_to_shards([i for i, out in zip(run, outs) if out is None], write)
+                return
+            # On an offload tier the fp32 gradients are made on the host, in one copy.
+            grads = [pieces[i].to(device=masters[i].device, dtype=torch.float32) for i in run]
+            torch._foreach_mul_(grads, multiplier.to(masters[run[0]].device))
             for i, grad in zip(run, grads):
-                self.masters.masters[i].grad = grad
+                masters[i].grad = grad
             optimizer.step()
             for i in run:
-                self.masters.masters[i].grad = None
-            self.masters.write_to_shards(run)
-        self._regather_persistent()
+                masters[i].grad = None
+            self.masters.write_to_shards(run, write)
 
-    def _regather_persistent(self) -> None:
-        in_flight: list[FlatParamGroup] = []
-        numel = 0
-        for fg in self.groups:
-            if not fg.persistent:
-                continue
-            fg.regather(async_op=True)
-            in_flight.append(fg)
-            numel += fg.layout.padded_numel
-            while in_flight and numel > self.options.allgather_bucket_numel:
-                done = in_flight.pop(0)
-                done.wait()
-                numel -= done.layout.padded_numel
-        for fg in in_flight:
-            fg.wait()
+        # Runs go in group order (offloaded runs are the first ones); each group's
+        # all-gather starts as soon as its last run is done, under the next runs' updates.
+        regathers = _Regathers(self.groups, self.options.allgather_bucket_numel)
+
+        def step_and_regather(run: list[int]) -> None:
+            step_run(run)
+            regathers.launch_before(self.masters.pieces[run[-1]].group)
+
+        swapped = set() if self.swapper is None else {i for run in self.swapper.runs for i in run}
+        if self.swapper is not None:
+            self.swapper.step(optimizer, step_and_regather)
+        for run in self.masters.sub_groups():
+            if run[0] not in swapped:
+                step_and_regather(run)
+        if self.params is not None:
+            self.params.finish_step()
+        regathers.finish()
+
+    def _host_output(self, i: int, write: object) -> torch.Tensor | None:
+        """Piece ``i``'s slice of its parameter shard, if the host step can write it directly."""
+        if write is not None or self.masters.shares_storage[i]:
+            return None
+        piece = self.masters.pieces[i]
+        shard = self.groups[piece.group].shard
+        return shard[piece.lo : piece.hi] if shard.device.type == "cpu" else None
 
     def zero_grad(self) -> None:
         self.grads.zero_()
@@ -211,7 +285,8 @@ class ShardedState:
         """
         out: dict[int, torch.Tensor] = {}
         for g, fg in enumerate(self.groups):
-            shard = self.masters.fp32_shard(g)
+            with self._masters_resident(write_back=False), self._shards_resident([g], write_back=False):
+                shard = self.masters.fp32_shard(g)
             if fg.layout.world_size == 1:
                 full = shard
             else:
@@ -240,22 +315,26 @@ class ShardedState:
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds now: parameter shards and persistent buffers, gathered
-        (live) full buffers, gradients and fp32 masters."""
+        (live) full buffers, gradients and fp32 masters in memory; offload buffers and
+        bytes in swap files."""
         params = gathered = 0
         for fg in self.groups:
             size = fg.dtype.itemsize
             if fg.persistent:
                 params += fg.layout.padded_numel * size
             else:
-                params += fg.layout.shard_numel * size
+                params += fg.shard.numel() * size  # 0 while offloaded to NVMe
                 if fg.state is not ShardState.SHARDED:
                     gathered += fg.layout.padded_numel * size
+        tiers = [t for t in (self.swapper, self.params) if t is not None]
         return {
             "params": params,
             "gathered_params": gathered,
             "grads": self.grads.nbytes(),
             "grad_buffers": self.grads.spare_nbytes(),
             "master_params": self.masters.nbytes(),
+            "offload_buffers": sum(t.nbytes_in_memory() for t in tiers),
+            "nvme": sum(t.nbytes_on_disk() for t in tiers),
         }
 
     # -- GatheredParameters (see [Note: owner table]) ------------------------------------------
@@ -280,13 +359,22 @@ class ShardedState:
                 if fg.layout.world_size > 1:
                     src = dist.get_global_rank(self.group, modifier_rank)
                     dist.broadcast(fg.full_buffer, src=src, group=self.group)
-                fg.update_shard_from_full()
-                self.masters.refresh_from_shard(g)
+                with self._masters_resident(write_back=True), self._shards_resident([g], write_back=True):
+                    fg.update_shard_from_full()
+                    self.masters.refresh_from_shard(g)
             elif fg.persistent:
                 fg.shard.copy_(saved[g])  # discard local changes
                 fg.regather()
         for g in was_sharded:
             self.groups[g].reshard()
+
+    def _masters_resident(self, write_back: bool):
+        return contextlib.nullcontext() if self.swapper is None else self.swapper.resident(write_back)
+
+    def _shards_resident(self, groups: list[int], write_back: bool):
+        if self.params is None or self.params.directory is None:
+            return contextlib.nullcontext()
+        return self.params.resident(groups, write_back)
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if getattr(optimizer, "needs_whole_parameters", False):
@@ -297,10 +385,42 @@ class ShardedState:
             )
 
     def remove_hooks(self) -> None:
+        if self.swapper is not None:
+            self.swapper.close()
+        if self.params is not None:
+            self.params.close()
         self.grads.remove_hooks()
         unregister([p for fg in self.groups for p in fg.params])
         if self.schedule is not None:
             self.schedule.remove_hooks()
+
+
+class _Regathers:
+    """All-gathers persistent groups after the step, in group order (the same on every rank
+    whatever pieces it owns), at most ``bucket_numel`` elements in flight."""
+
+    def __init__(self, groups: Sequence[FlatParamGroup], bucket_numel: int) -> None:
+        self.groups = groups
+        self.bucket_numel = bucket_numel
+        self._next = 0
+        self._in_flight: list[FlatParamGroup] = []
+
+    def launch_before(self, limit: int) -> None:
+        """Start the all-gathers of persistent groups with index < ``limit`` not started yet."""
+        for fg in self.groups[self._next : limit]:
+            if not fg.persistent:
+                continue
+            fg.regather(async_op=True)
+            self._in_flight.append(fg)
+            while len(self._in_flight) > 1 and sum(f.layout.padded_numel for f in self._in_flight) > self.bucket_numel:
+                self._in_flight.pop(0).wait()
+        self._next = max(self._next, limit)
+
+    def finish(self) -> None:
+        self.launch_before(len(self.groups))
+        for fg in self._in_flight:
+            fg.wait()
+        self._in_flight = []
 
 
 def _initial_shape(param: nn.Parameter) -> torch.Size:

@@ -1,0 +1,15 @@
+"""Offload tiers: model states in host memory or on NVMe, moved by an asynchronous I/O engine."""
+
+from terascale.offload.aio import ALIGNMENT, AioError, AioOptions, AsyncIO, IoHandle, aligned_empty
+from terascale.offload.policy import OptimizerOffload, optimizer_offload
+
+__all__ = [
+    "ALIGNMENT",
+    "AioError",
+    "AioOptions",
+    "AsyncIO",
+    "IoHandle",
+    "OptimizerOffload",
+    "aligned_empty",
+    "optimizer_offload",
+]

@@ -1,0 +1,237 @@
+"""Optimizer state on NVMe: each run's fp32 masters and optimizer state in a swap file.
+
+[Note: optimizer swapping]
+The optimizer steps this rank's masters one *run* at a time (a run is at most
+``sub_group_size`` elements, see ``[Note: master pieces]``). With
+``offload_optimizer.device: nvme`` a run's masters and every tensor of its optimizer
+state (Adam's two moments; whatever the optimizer keeps, except 0-d step counters) live
+in one swap file per run and rank, laid out as 4 KiB-aligned segments. Between steps the
+master ``nn.Parameter`` objects and the optimizer's state entries hold empty
+placeholders; the step swaps a run in by reading its file into a pooled aligned buffer
+and pointing the masters' ``.data`` and the state entries at views of it, so the
+optimizer updates the buffer in place, and then writes the buffer back.
+
+The step is pipelined over ``buffer_count`` buffers: while run k is stepped, run k+1 is
+read and run k-1 is written (3 buffers suffice; fewer serialise, more let reads run
+further ahead). A buffer returns to the pool only when its write has finished, so host
+memory stays at ``buffer_count`` runs however large the model. The optimizer state
+does not exist before the first step: that step steps each run with the optimizer's
+fresh state in ordinary memory, lays the file out again with it, and writes it once.
+
+Each rank reads and writes only its own runs, so with one disk per rank (or one fast
+array) the aggregate bandwidth grows with the ranks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from terascale.offload.aio import AsyncIO, IoHandle
+from terascale.offload.swap import BufferPool, SwapDirectory, round_up
+
+if TYPE_CHECKING:
+    from terascale.zero.masters import ShardedMasters
+
+_MASTER = "master"
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """One tensor of a run's swap file: piece ``piece``'s master or its state ``key``."""
+
+    piece: int
+    key: str
+    dtype: torch.dtype
+    shape: torch.Size
+    offset: int  # bytes; a multiple of the alignment
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+    def view(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
+
+
+def _layout(entries: Sequence[tuple[int, str, torch.Tensor]]) -> tuple[list[_Segment], int]:
+    segments, at = [], 0
+    for piece, key, t in entries:
+        segments.append(_Segment(piece, key, t.dtype, t.shape, at))
+        at = round_up(at + t.numel() * t.element_size())
+    return segments, at
+
+
+class OptimizerSwapper:
+    """Keeps the masters and optimizer state of ``runs`` (piece indices) in swap files.
+
+    ``masters`` must have been built with ``create=False``: the constructor creates each
+    run's masters and writes them out before creating the next.
+    """
+
+    def __init__(
+        self,
+        masters: ShardedMasters,
+        runs: Sequence[Sequence[int]],
+        directory: SwapDirectory,
+        aio: AsyncIO,
+        buffer_count: int,
+        *,
+        pin_memory: bool = False,
+    ) -> None:
+        self.masters = masters
+        self.runs = [list(r) for r in runs]
+        self.directory = directory
+        self.aio = aio
+        self.pool = BufferPool(max(1, buffer_count), pin_memory=pin_memory)
+        self._layouts: list[list[_Segment]] = []
+        self._nbytes: list[int] = []
+        # Masters (4 bytes) plus Adam's two moments (8): what the files will grow to.
+        numel = sum(masters.pieces[i].hi - masters.pieces[i].lo for run in self.runs for i in run)
+        directory.require_free(3 * numel * masters.dtype.itemsize, "offload_optimizer (masters and Adam state)")
+        self._writes: deque[tuple[torch.Tensor, IoHandle]] = deque()
+        for k, run in enumerate(self.runs):
+            masters.create_run(run)
+            segments, nbytes = _layout([(i, _MASTER, masters.masters[i].data) for i in run])
+            self._layouts.append(segments)
+            self._nbytes.append(nbytes)
+            self.pool.reserve(nbytes)
+            buf = self._acquire()
+            for seg in segments:
+                seg.view(buf).copy_(masters.masters[seg.piece].data)
+            self._write(k, buf)
+            self._unbind(k, None)
+        self._drain_writes()
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self, optimizer: torch.optim.Optimizer, step_run: Callable[[list[int]], None]) -> None:
+        """Call ``step_run(run)`` for every run with its masters and state swapped in.
+
+        Reads run ahead of the step and writes behind it within the buffer pool; returns
+        when every write has finished (so the files are whole).
+        """
+        reads: dict[int, tuple[torch.Tensor, IoHandle]] = {}
+        for k, run in enumerate(self.runs):
+            if k not in reads:
+                reads[k] = self._read(k, self._acquire())
+            if k + 1 < len(self.runs) and self._buffer_free_now():
+                reads[k + 1] = self._read(k + 1, self.pool.acquire())
+            buf, handle = reads.pop(k)
+            handle.wait()
+            self._bind(k, buf, optimizer)
+            step_run(run)
+            self._write(k, self._relayout(k, buf, optimizer))
+            self._unbind(k, optimizer)
+        self._drain_writes()
+
+    @contextmanager
+    def resident(self, write_back: bool) -> Iterator[None]:
+        """Swap every run's masters in (not the optimizer state) for reading, or modifying
+        with ``write_back``; one run at a time would do, but callers want all masters."""
+        bufs = []
+        try:
+            for k in range(len(self.runs)):
+                buf = torch.empty(self._nbytes[k], dtype=torch.uint8)
+                self.aio.sync_read(buf, self.directory.file(f"run{k}"))
+                self._bind(k, buf, None)
+                bufs.append(buf)
+            yield
+            if write_back:
+                for k, buf in enumerate(bufs):
+                    self.aio.sync_write(buf, self.directory.file(f"run{k}"))
+        finally:
+            for k in range(len(bufs)):
+                self._unbind(k, None)
+
+    # -- buffers and files ---------------------------------------------------------------------
+
+    def _acquire(self) -> torch.Tensor:
+        while not self.pool.available():
+            buf, handle = self._writes.popleft()
+            handle.wait()
+            self.pool.release(buf)
+        return self.pool.acquire()
+
+    def _buffer_free_now(self) -> bool:
+        while self._writes and self._writes[0][1].done():
+            buf, handle = self._writes.popleft()
+            handle.wait()  # raises a failed write here
+            self.pool.release(buf)
+        return self.pool.available()
+
+    def _read(self, k: int, buf: torch.Tensor) -> tuple[torch.Tensor, IoHandle]:
+        return buf, self.aio.read(buf[: self._nbytes[k]], self.directory.file(f"run{k}"))
+
+    def _write(self, k: int, buf: torch.Tensor) -> None:
+        handle = self.aio.write(buf[: self._nbytes[k]], self.directory.file(f"run{k}"))
+        self._writes.append((buf, handle))
+
+    def _drain_writes(self) -> None:
+        while self._writes:
+            buf, handle = self._writes.popleft()
+            handle.wait()
+            self.pool.release(buf)
+
+    # -- binding tensors to buffers ------------------------------------------------------------
+
+    def _bind(self, k: int, buf: torch.Tensor, optimizer: torch.optim.Optimizer | None) -> None:
+        for seg in self._layouts[k]:
+            view = seg.view(buf)
+            if seg.key == _MASTER:
+                self.masters.masters[seg.piece].data = view
+            elif optimizer is not None:
+                optimizer.state[self.masters.masters[seg.piece]][seg.key] = view
+
+    def _unbind(self, k: int, optimizer: torch.optim.Optimizer | None) -> None:
+        for seg in self._layouts[k]:
+            placeholder = torch.empty(0, dtype=seg.dtype)
+            if seg.key == _MASTER:
+                self.masters.masters[seg.piece].data = placeholder
+            elif optimizer is not None:
+                optimizer.state[self.masters.masters[seg.piece]][seg.key] = placeholder
+
+    def _relayout(self, k: int, buf: torch.Tensor, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """The buffer to write for run ``k``: ``buf`` itself, or after the first step a new
+        one laid out with the optimizer state the step just created."""
+        known = {(s.piece, s.key) for s in self._layouts[k]}
+        entries = []
+        for i in self.runs[k]:
+            m = self.masters.masters[i]
+            entries.append((i, _MASTER, m.data))
+            for key, value in optimizer.state.get(m, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    entries.append((i, key, value))
+        if all((i, key) in known for i, key, _ in entries):
+            return buf
+        segments, nbytes = _layout(entries)
+        # Masters are views of ``buf``, which may come back from the pool: copy them out.
+        values = [t.clone() if key == _MASTER else t for _, key, t in entries]
+        self.pool.release(buf)
+        self.pool.reserve(nbytes)
+        fresh = self._acquire()
+        for seg, value in zip(segments, values):
+            seg.view(fresh).copy_(value)
+        self._layouts[k], self._nbytes[k] = segments, nbytes
+        return fresh
+
+    def nbytes_on_disk(self) -> int:
+        """Bytes of this rank's swap files (masters and optimizer state)."""
+        return sum(self._nbytes)
+
+    def close(self) -> None:
+        """Finish I/O, stop the I/O threads and delete this rank's swap files."""
+        try:
+            self._drain_writes()
+            self.aio.close()
+        finally:
+            self.directory.remove()
+
+    def nbytes_in_memory(self) -> int:
+        """Host bytes of the swap buffers (a working set bounded by ``buffer_count``)."""
+        return self.pool.nbytes_held()

@@ -1,0 +1,267 @@
+"""Stage-3 parameter shards on the host or NVMe between their gathers.
+
+[Note: parameter offload]
+At stage 3 a group's own shard is needed only to be all-gathered (before its forward and
+its backward) and to be overwritten by the optimizer step. With ``offload_param`` the
+shards of the non-persistent groups live on a tier between those moments:
+
+- ``cpu``: in host memory (pinned where a GPU is present); the gather copies the shard
+  into the device's full buffer. On a machine without an accelerator the host is the
+  device, so this tier changes nothing there.
+- ``nvme``: in one swap file per group and rank. A shard is *fetched* (read into one of
+  ``buffer_count`` aligned host buffers) ahead of its gather, along the stage-3 trace
+  (see [Note: gather schedule]); the gather copies it into the full buffer and the buffer
+  goes back to the pool at once. The optimizer step writes each updated piece of a shard
+  straight into its file (the file holds the shard's bytes at their offsets; padding and
+  frozen elements never change), so a step never reads shards back. The first groups, up
+  to ``max_in_cpu`` elements, stay in host memory and have no file.
+
+Each group's shard is in one of three residency states: RESIDENT (``fg.shard`` holds the
+values), FETCHING (a read into a pool buffer is in flight) or OFFLOADED (only the file
+holds them; ``fg.shard`` is an empty placeholder). A fetch never takes the pool's last
+buffer, so the gather that needs a shard now always finds one.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from terascale.offload.aio import AioOptions, AsyncIO, IoHandle
+from terascale.offload.swap import BufferPool, SwapDirectory
+
+if TYPE_CHECKING:
+    from terascale.zero.flat_group import FlatParamGroup
+
+
+@dataclass(frozen=True)
+class ParamOffload:
+    """``zero_optimization.offload_param``: where stage-3 parameter shards live between uses.
+
+    ``buffer_count`` host buffers of at least ``buffer_size`` elements (and at least the
+    largest shard) carry NVMe reads; ``max_in_cpu`` elements of shards stay in host memory.
+    """
+
+    device: str = "none"
+    nvme_path: Path | None = None
+    pin_memory: bool = False
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+    aio: AioOptions = field(default_factory=AioOptions)
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+def param_offload(config: object) -> ParamOffload:
+    """The :class:`ParamOffload` a validated :class:`terascale.config.Config` asks for."""
+    section = config.zero_optimization.offload_param
+    if section is None or section.device == "none":
+        return ParamOffload()
+    return ParamOffload(
+        device=section.device,
+        nvme_path=section.nvme_path,
+        pin_memory=section.pin_memory,
+        buffer_count=section.buffer_count,
+        buffer_size=section.buffer_size,
+        max_in_cpu=section.max_in_cpu,
+        aio=AioOptions.from_config(config.aio),
+    )
+
+
+class Residency(enum.Enum):
+    RESIDENT = "resident"
+    FETCHING = "fetching"
+    OFFLOADED = "offloaded"
+
+
+class OffloadedParams:
+    """The shards of ``groups[g]`` for ``g in offloaded`` on ``policy``'s tier (a :class:`ShardHome`)."""
+
+    def __init__(
+        self, groups: Sequence[FlatParamGroup], offloaded: Sequence[int], policy: ParamOffload, rank: int
+    ) -> None:
+        assert policy.enabled
+        self.groups = list(groups)
+        self._index = {id(fg): g for g, fg in enumerate(self.groups)}
+        self.policy = policy
+        self.state: dict[int, Residency] = {}
+        self._pending: dict[int, tuple[torch.Tensor, IoHandle]] = {}
+        self._writes: list[tuple[torch.Tensor, IoHandle]] = []
+        self.fetches = 0  # reads issued (for tests and reports)
+        self.fetches_ahead = 0  # of which started ahead of the gather that needed them
+        pin = policy.pin_memory and torch.cuda.is_available()
+        if policy.device == "cpu":
+            for g in offloaded:
+                fg = groups[g]
+                if fg.device.type != "cpu":
+                    fg.shard = fg.shard.to("cpu").pin_memory() if pin else fg.shard.to("cpu")
+                self.state[g] = Residency.RESIDENT
+            self.directory = self.aio = self.pool = None
+            return
+        self.directory = SwapDirectory(policy.nvme_path, "params", rank)
+        self.aio = AsyncIO(policy.aio)
+        largest = max((groups[g].layout.shard_numel for g in offloaded), default=0)
+        if largest > policy.buffer_size:
+            raise ValueError(
+                f"offload_param.buffer_size is {policy.buffer_size} elements but the largest parameter "
+                f"group's shard has {largest}; raise buffer_size to at least {largest}"
+            )
+        # Buffers as large as the largest shard, not buffer_size: that is all a fetch needs.
+        self.pool = BufferPool(max(2, policy.buffer_count), pin_memory=pin)
+        self.pool.reserve(max((groups[g].layout.shard_numel * groups[g].dtype.itemsize for g in offloaded), default=1))
+        kept, to_disk = 0, []
+        for g in offloaded:
+            n = groups[g].layout.shard_numel
+            if kept + n <= policy.max_in_cpu:
+                kept += n
+                self.state[g] = Residency.RESIDENT
+            else:
+                to_disk.append(g)
+        self.directory.require_free(
+            sum(groups[g].layout.shard_numel * groups[g].dtype.itemsize for g in to_disk), "offload_param"
+        )
+        for g in to_disk:
+            fg = groups[g]
+            self.aio.sync_write(fg.shard.detach().cpu().contiguous(), self._file(g))
+            fg.shard = torch.empty(0, dtype=fg.dtype, device=fg.device)
+            self.state[g] = Residency.OFFLOADED
+            fg.home = self
+
+    def _file(self, g: int) -> Path:
+        return self.directory.file(f"group{g}")
+
+    # -- ShardHome ---------------------------------------------------------------------------
+
+    def fetch(self, g: int) -> bool:
+        """Start reading group ``g``'s shard if it is offloaded; False when no spare
+        buffer is left for it (True when there is nothing to read)."""
+        if self.state.get(g) is not Residency.OFFLOADED:
+            return True
+        if not self._spare_buffers(2):
+            return False
+        self._start_read(g)
+        self.fetches_ahead += 1
+        return True
+
+    def ready(self, fg: FlatParamGroup) -> None:
+        g = self._index[id(fg)]
+        if self.state[g] is Residency.OFFLOADED:
+            self._spare_buffers(1, wait=True)
+            self._start_read(g)
+        if self.state[g] is Residency.FETCHING:
+            buf, handle = self._pending[g]
+            handle.wait()
+            fg.shard = buf[: fg.layout.shard_numel * fg.dtype.itemsize].view(fg.dtype)
+            if fg.device.type != "cpu":
+                fg.shard = fg.shard.to(fg.device)
+
+    def consumed(self, fg: FlatParamGroup) -> None:
+        g = self._index[id(fg)]
+        if g in self._pending:
+            buf, _ = self._pending.pop(g)
+            self.pool.release(buf)
+            fg.shard = torch.empty(0, dtype=fg.dtype, device=fg.device)
+            self.state[g] = Residency.OFFLOADED
+
+    def _start_read(self, g: int) -> None:
+        fg = self.groups[g]
+        self._drain_writes()  # a read must see the step's writes
+        buf = self.pool.acquire()
+        nbytes = fg.layout.shard_numel * fg.dtype.itemsize
+        self._pending[g] = (buf, self.aio.read(buf[:nbytes], self._file(g)))
+        self.state[g] = Residency.FETCHING
+        self.fetches += 1
+
+    def _spare_buffers(self, n: int, wait: bool = False) -> bool:
+        free = self.pool.count - len(self._pending)
+        if free >= n:
+            return True
+        assert not wait, "every parameter buffer is held by a fetch; raise offload_param.buffer_count"
+        return False
+
+    # -- the optimizer step writes shards ------------------------------------------------------
+
+    @torch.no_grad()
+    def write_piece(self, g: int, lo: int, values: torch.Tensor) -> None:
+        """Set elements ``[lo, lo + len(values))`` of group ``g``'s shard to ``values``."""
+        fg = self.groups[g]
+        if self.state.get(g, Residency.RESIDENT) is Residency.RESIDENT:
+            fg.shard[lo : lo + values.numel()].copy_(values)
+            return
+        assert self.state[g] is Residency.OFFLOADED, f"write to group {g} while {self.state[g]}"
+        staged = values.detach().to(device="cpu", dtype=fg.dtype).contiguous()
+        self._writes.append((staged, self.aio.write(staged, self._file(g), lo * fg.dtype.itemsize)))
+
+    def _drain_writes(self) -> None:
+        writes, self._writes = self._writes, []
+        for _, handle in writes:
+            handle.wait()
+
+    def settle(self) -> None:
+        """Drop fetches nobody gathered (a trace that changed); before the step writes."""
+        for g in list(self._pending):
+            buf, handle = self._pending.pop(g)
+            handle.wait()
+            self.pool.release(buf)
+            self.state[g] = Residency.OFFLOADED
+
+    def finish_step(self) -> None:
+        """Wait for the step's writes (the next gathers read the files)."""
+        self._drain_writes()
+
+    @contextmanager
+    def resident(self, indices: Sequence[int], write_back: bool) -> Iterator[None]:
+        """Hold the shards of groups ``indices`` in memory (read synchronously); with
+        ``write_back`` their (modified) values go back to the files on exit."""
+        self._drain_writes()
+        loaded = []
+        try:
+            for g in indices:
+                if self.state.get(g) is Residency.OFFLOADED:
+                    fg = self.groups[g]
+                    shard = torch.empty(fg.layout.shard_numel, dtype=fg.dtype)
+                    self.aio.sync_read(shard, self._file(g))
+                    fg.shard = shard.to(fg.device)
+                    self.state[g] = Residency.RESIDENT
+                    loaded.append(g)
+            yield
+            if write_back:
+                for g in loaded:
+                    self.aio.sync_write(self.groups[g].shard.detach().cpu().contiguous(), self._file(g))
+        finally:
+            for g in loaded:
+                fg = self.groups[g]
+                fg.shard = torch.empty(0, dtype=fg.dtype, device=fg.device)
+                self.state[g] = Residency.OFFLOADED
+
+    # -- accounting and teardown --------------------------------------------------------------
+
+    def nbytes_on_disk(self) -> int:
+        return sum(
+            self.groups[g].layout.shard_numel * self.groups[g].dtype.itemsize
+            for g, s in self.state.items()
+            if s is not Residency.RESIDENT
+        )
+
+    def nbytes_in_memory(self) -> int:
+        return 0 if self.pool is None else self.pool.nbytes_held()
+
+    def close(self) -> None:
+        if self.aio is None:
+            return
+        try:
+            self._drain_writes()
+            for buf, handle in self._pending.values():
+                handle.wait()
+            self.aio.close()
+        finally:
+            self.directory.remove()
