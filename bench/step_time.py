@@ -310,9 +310,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nGPT {args.layers} layers x {args.width}, vocab {args.vocab}, micro-batch {args.micro_batch} x "
           f"{args.seq} tokens, {args.nproc} ranks x {args.threads} thread(s), {_params(args) / 1e6:.1f}M params, fp32, {runs[base][0]['device']}, "
           f"{args.repeats} interleaved repeats x {args.steps - args.warmup} timed steps\n")
-    print("| system | ms/step (median) | per-repeat medians | ratio to " + base
+    print("| system | ms/step (median) | per-repeat medians | ratio to " + base + " | per-repeat ratios (median)"
           + " | peak memory/rank (MiB) | loss step 1 → last | max Δloss vs " + base + " |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    base_rep = [statistics.median(res["times"][args.warmup:]) * 1e3 for res in runs[base]]
     worst = 0.0
     for system in systems:
         all_times = [t for res in runs[system] for t in res["times"][args.warmup:]]
@@ -326,7 +327,11 @@ def main(argv: list[str] | None = None) -> None:
             # gradients (identical after its all-reduce) where gradients are near Adam's eps,
             # so its curve drifts from step 2 on; it is reported, not held to fp32 rounding.
             worst = max(worst, diff)
+        # Each repeat's ratio to the baseline's run of the same repeat: the machine's slow
+        # spells hit both sides of a ratio taken close in time, so their median is steadier.
+        ratios = [a / b for a, b in zip(per_rep, base_rep)]
         print(f"| {system} | {ms:.1f} | {min(per_rep):.1f}–{max(per_rep):.1f} | {ms / base_ms:.3f} | "
+              f"{statistics.median(ratios):.3f} | "
               f"{' / '.join(f'{p:.0f}' for p in peaks)} | {losses[0]:.5f} → {losses[-1]:.5f} | {diff:.1e} |")
     if worst > 1e-4:
         raise SystemExit(f"loss curves disagree by {worst:.2e} (> 1e-4): a system trains differently")

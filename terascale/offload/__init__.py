@@ -1,7 +1,7 @@
 """Offload tiers: model states in host memory or on NVMe, moved by an asynchronous I/O engine."""
 
 from terascale.offload.aio import ALIGNMENT, AioError, AioOptions, AsyncIO, IoHandle, aligned_empty
-from terascale.offload.policy import OptimizerOffload, optimizer_offload
+from terascale.offload.policy import OptimizerOffload, ParamOffload, optimizer_offload, param_offload
 
 __all__ = [
     "ALIGNMENT",
@@ -10,6 +10,8 @@ __all__ = [
     "AsyncIO",
     "IoHandle",
     "OptimizerOffload",
+    "ParamOffload",
     "aligned_empty",
     "optimizer_offload",
+    "param_offload",
 ]

@@ -138,6 +138,8 @@ class AsyncIO:
         self._fds: dict[tuple[str, bool], int] = {}
         self._outstanding: list[IoHandle] = []
         self.direct_paths: set[str] = set()  # files opened with O_DIRECT
+        self.bytes_read = 0  # submitted so far (for reports: traffic per step)
+        self.bytes_written = 0
 
     # -- submission --------------------------------------------------------------------------
 
@@ -195,6 +197,10 @@ class AsyncIO:
         else:
             futures = [self._pool.submit(self._transfer, op, fds, view, addr, offset, lo, hi, path) for lo, hi in pieces]
         desc = f"{op} of {nbytes} bytes at offset {offset} of '{path}'"
+        if op == "read":
+            self.bytes_read += nbytes
+        else:
+            self.bytes_written += nbytes
         handle = IoHandle(desc, futures, nbytes)
         with self._lock:
             self._outstanding = [h for h in self._outstanding if not h.done()] + [handle]

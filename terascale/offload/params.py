@@ -27,54 +27,17 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from terascale.offload.aio import AioOptions, AsyncIO, IoHandle
+from terascale.offload.aio import AsyncIO, IoHandle
+from terascale.offload.policy import ParamOffload
 from terascale.offload.swap import BufferPool, SwapDirectory
 
 if TYPE_CHECKING:
     from terascale.zero.flat_group import FlatParamGroup
-
-
-@dataclass(frozen=True)
-class ParamOffload:
-    """``zero_optimization.offload_param``: where stage-3 parameter shards live between uses.
-
-    ``buffer_count`` host buffers of at least ``buffer_size`` elements (and at least the
-    largest shard) carry NVMe reads; ``max_in_cpu`` elements of shards stay in host memory.
-    """
-
-    device: str = "none"
-    nvme_path: Path | None = None
-    pin_memory: bool = False
-    buffer_count: int = 5
-    buffer_size: int = 100_000_000
-    max_in_cpu: int = 1_000_000_000
-    aio: AioOptions = field(default_factory=AioOptions)
-
-    @property
-    def enabled(self) -> bool:
-        return self.device != "none"
-
-
-def param_offload(config: object) -> ParamOffload:
-    """The :class:`ParamOffload` a validated :class:`terascale.config.Config` asks for."""
-    section = config.zero_optimization.offload_param
-    if section is None or section.device == "none":
-        return ParamOffload()
-    return ParamOffload(
-        device=section.device,
-        nvme_path=section.nvme_path,
-        pin_memory=section.pin_memory,
-        buffer_count=section.buffer_count,
-        buffer_size=section.buffer_size,
-        max_in_cpu=section.max_in_cpu,
-        aio=AioOptions.from_config(config.aio),
-    )
 
 
 class Residency(enum.Enum):

@@ -35,16 +35,45 @@ class OptimizerOffload:
         return self.device != "none"
 
 
+@dataclass(frozen=True)
+class ParamOffload:
+    """``zero_optimization.offload_param``: where stage-3 parameter shards live between uses.
+
+    ``buffer_count`` host buffers, each as large as the largest shard (which must not
+    exceed ``buffer_size`` elements), carry NVMe reads; the first ``max_in_cpu`` elements of
+    shards stay in host memory.
+    """
+
+    device: str = "none"
+    nvme_path: Path | None = None
+    pin_memory: bool = False
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+    aio: AioOptions = field(default_factory=AioOptions)
+
+    def __post_init__(self) -> None:
+        assert self.device in ("none", "cpu", "nvme"), self.device
+        assert self.device != "nvme" or self.nvme_path is not None
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
 def optimizer_offload(config: object) -> OptimizerOffload:
     """The :class:`OptimizerOffload` a validated :class:`terascale.config.Config` asks for."""
-    section = config.zero_optimization.offload_optimizer
+    return _policy(OptimizerOffload, config.zero_optimization.offload_optimizer, config.aio, ("ratio",))
+
+
+def param_offload(config: object) -> ParamOffload:
+    """The :class:`ParamOffload` a validated :class:`terascale.config.Config` asks for."""
+    fields = ("buffer_size", "max_in_cpu")
+    return _policy(ParamOffload, config.zero_optimization.offload_param, config.aio, fields)
+
+
+def _policy(cls: type, section: object, aio: object, extra: tuple[str, ...]):
     if section is None or section.device == "none":
-        return OptimizerOffload()
-    return OptimizerOffload(
-        device=section.device,
-        nvme_path=section.nvme_path,
-        pin_memory=section.pin_memory,
-        buffer_count=section.buffer_count,
-        ratio=section.ratio,
-        aio=AioOptions.from_config(config.aio),
-    )
+        return cls()
+    common = ("device", "nvme_path", "pin_memory", "buffer_count", *extra)
+    return cls(**{name: getattr(section, name) for name in common}, aio=AioOptions.from_config(aio))

@@ -29,7 +29,8 @@ from terascale.config import Config
 from terascale.config.schema import TORCH_DTYPES
 from terascale.offload import AsyncIO, OptimizerOffload, host_adam, optimizer_offload
 from terascale.offload.optimizer import OptimizerSwapper
-from terascale.offload.params import OffloadedParams, ParamOffload, param_offload
+from terascale.offload.params import OffloadedParams
+from terascale.offload.policy import ParamOffload, param_offload
 from terascale.offload.swap import SwapDirectory
 from terascale.zero.flat_group import FlatParamGroup, ShardState
 from terascale.zero.gather import owner_of, register_owner, unregister
