@@ -6,7 +6,7 @@ done as three whole-tensor passes (widen the bf16/fp16 gradient to fp32, the Ada
 update, narrow the updated fp32 master into the bf16/fp16 parameter) moves about 40
 bytes per element: 2 + 4 to widen, 4 + 24 for Adam (read and write master and two
 moments, read the fp32 gradient), 4 + 2 to narrow. Doing the three per chunk of a few
-hundred KiB, while the chunk is still in the cache, leaves 28 bytes of memory traffic
+MiB, while the chunk is still in the cache, leaves 28 bytes of memory traffic
 (the low-precision gradient read once, the low-precision parameter written once). Each
 chunk runs torch's own fused Adam kernel (``torch._fused_adam_`` / ``_fused_adamw_``, what
 ``torch.optim.Adam(W)(fused=True)`` calls) on views, and an elementwise kernel does not
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-CHUNK_NUMEL = 1 << 16  # 256 KiB of fp32 per tensor; four such chunks fit a core's L2
+CHUNK_NUMEL = 1 << 18  # 1 MiB of fp32 per tensor: the chunk's four tensors stay in L2/L3
 
 
 def supports(optimizer: torch.optim.Optimizer) -> bool:
@@ -44,9 +44,11 @@ def step(
     """One Adam(W) step of ``params`` (fp32, host, members of ``optimizer``'s groups) with
     gradients ``grads * multiplier`` (any float dtype, same shapes), as
     ``optimizer.step()`` would take it; then ``outputs[i]`` (if given) receives the new
-    ``params[i]`` in its own dtype. The optimizer's state is created or advanced in place.
+    ``params[i]`` in its own dtype. The optimizer's state is created or advanced in place;
+    fp32 ``grads`` are scaled in place (they are consumed).
     """
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    scale = float(multiplier)  # 1.0 (no loss scale, no clipping this step) skips a pass
     outputs = outputs if outputs is not None else [None] * len(params)
     scratch = torch.empty(min(chunk_numel, max((p.numel() for p in params), default=0)), dtype=torch.float32)
     for p, grad, out in zip(params, grads, outputs):
@@ -67,11 +69,19 @@ def step(
         flat = [t.view(-1) for t in (p, state["exp_avg"], state["exp_avg_sq"])]
         max_sq = state["max_exp_avg_sq"].view(-1) if group["amsgrad"] else None
         g_flat, o_flat = grad.reshape(-1), None if out is None else out.view(-1)
-        for lo in range(0, p.numel(), chunk_numel):
-            hi = min(lo + chunk_numel, p.numel())
-            g32 = scratch[: hi - lo]
-            g32.copy_(g_flat[lo:hi])
-            g32.mul_(multiplier)
+        # Nothing to fuse (fp32 gradient, no low-precision copy): one call, no chunk overhead.
+        step_numel = p.numel() if g_flat.dtype == torch.float32 and o_flat is None else chunk_numel
+        for lo in range(0, p.numel(), max(1, step_numel)):
+            hi = min(lo + step_numel, p.numel())
+            if g_flat.dtype == torch.float32:
+                g32 = g_flat[lo:hi]
+                if scale != 1.0:
+                    g32.mul_(multiplier)  # the gradient is consumed: scale in place
+            else:
+                g32 = scratch[: hi - lo]
+                g32.copy_(g_flat[lo:hi])
+                if scale != 1.0:
+                    g32.mul_(multiplier)
             kernel(
                 [flat[0][lo:hi]],
                 [g32],
