@@ -9,21 +9,13 @@ from terascale.offload.aio import AioOptions
 
 
 @dataclass(frozen=True)
-class OptimizerOffload:
-    """``zero_optimization.offload_optimizer``: the tier of fp32 masters and optimizer state.
-
-    ``device``: "none" (with the parameter shards), "cpu" (host memory, pinned with
-    ``pin_memory`` where a GPU is present) or "nvme" (swap files under ``nvme_path``,
-    moved through ``buffer_count`` host buffers). ``ratio``: the fraction of this rank's
-    optimizer runs (by elements, first runs first) that go to the tier; the rest stay with
-    the parameter shards.
-    """
+class _Tier:
+    """What both offload policies share: the device ("none", "cpu" or "nvme"), the NVMe
+    directory, pinned host buffers (where a GPU is present) and the I/O engine's options."""
 
     device: str = "none"
     nvme_path: Path | None = None
     pin_memory: bool = False
-    buffer_count: int = 4
-    ratio: float = 1.0
     aio: AioOptions = field(default_factory=AioOptions)
 
     def __post_init__(self) -> None:
@@ -36,7 +28,20 @@ class OptimizerOffload:
 
 
 @dataclass(frozen=True)
-class ParamOffload:
+class OptimizerOffload(_Tier):
+    """``zero_optimization.offload_optimizer``: the tier of fp32 masters and optimizer state.
+
+    "cpu" keeps them in host memory, "nvme" in swap files under ``nvme_path`` moved through
+    ``buffer_count`` host buffers. ``ratio``: the fraction of this rank's optimizer runs (by
+    elements, first runs first) that go to the tier; the rest stay with the parameter shards.
+    """
+
+    buffer_count: int = 4
+    ratio: float = 1.0
+
+
+@dataclass(frozen=True)
+class ParamOffload(_Tier):
     """``zero_optimization.offload_param``: where stage-3 parameter shards live between uses.
 
     ``buffer_count`` host buffers, each as large as the largest shard (which must not
@@ -44,21 +49,9 @@ class ParamOffload:
     shards stay in host memory.
     """
 
-    device: str = "none"
-    nvme_path: Path | None = None
-    pin_memory: bool = False
     buffer_count: int = 5
     buffer_size: int = 100_000_000
     max_in_cpu: int = 1_000_000_000
-    aio: AioOptions = field(default_factory=AioOptions)
-
-    def __post_init__(self) -> None:
-        assert self.device in ("none", "cpu", "nvme"), self.device
-        assert self.device != "nvme" or self.nvme_path is not None
-
-    @property
-    def enabled(self) -> bool:
-        return self.device != "none"
 
 
 def optimizer_offload(config: object) -> OptimizerOffload:
