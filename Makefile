@@ -6,7 +6,7 @@ VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.terascale-installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo demo-nvme bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ test: $(STAMP)
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/terascale run --nproc 2 examples/train_gpt.py \
 		--config examples/configs/gpt_demo.json --out runs/demo
+
+# The same training with optimizer state and parameters in swap files under runs/demo_nvme.
+demo-nvme: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/terascale run --nproc 2 examples/train_gpt.py \
+		--config examples/configs/gpt_demo_nvme.json --out runs/demo_nvme
 
 bench: $(STAMP)
 	$(VPY) bench/step_time.py

@@ -3,7 +3,7 @@
 Every system moves the same bytes (``--size-gib`` in one file, O_DIRECT, one 4 KiB-aligned
 host buffer) in the same directory; systems are interleaved and repeated, and the
 median GB/s of each is reported with its ratio to the raw disk. The raw disk is fio
-(libaio, O_DIRECT, ``--fio-jobs`` x queue depth ``--fio-qd``) when fio is installed,
+(libaio, O_DIRECT, ``--fio-jobs`` jobs (default 4) x queue depth ``--fio-qd``) when fio is installed,
 else ``dd oflag/iflag=direct`` (one request at a time, a lower bound). DeepSpeed's aio op
 runs in ``--peers-python`` (it needs ``libaio-dev`` to build; see ../shared/BENCHMARKING.md).
 
@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=1 << 20)
     ap.add_argument("--queue-depth", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1, help="aio.thread_count")
-    ap.add_argument("--fio-jobs", type=int, default=1)
+    ap.add_argument("--fio-jobs", type=int, default=4)
     ap.add_argument("--fio-qd", type=int, default=32)
     ap.add_argument("--peers-python", default=None, help="python with DeepSpeed (and libaio-dev) for its aio op")
     ap.add_argument("--json", default=str(ROOT / "runs" / "bench" / "aio.json"))

@@ -1,6 +1,7 @@
 """Train the demo GPT data-parallel with terascale (this is what ``make demo`` runs).
 
     terascale run --nproc 2 examples/train_gpt.py --config examples/configs/gpt_demo.json
+    terascale run --nproc 2 examples/train_gpt.py --config examples/configs/gpt_demo_nvme.json  # ZeRO-Infinity
 
 Every rank builds the same byte-level GPT (``examples/gpt/model.py``), reads the Python
 standard library's own sources as its corpus (nothing is downloaded) and trains through
@@ -49,6 +50,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.config is None:
         p.error("--config is required")
     return args
+
+
+def make_nvme_dirs(config_path: str) -> None:
+    """Create the NVMe swap folders the config names (the NVMe demo keeps them under runs/;
+    terascale itself refuses a missing nvme_path rather than guess at a typo)."""
+    zero = json.loads(Path(config_path).read_text()).get("zero_optimization") or {}
+    for section in ("offload_optimizer", "offload_param"):
+        path = (zero.get(section) or {}).get("nvme_path") if isinstance(zero, dict) else None
+        if path:
+            Path(path).mkdir(parents=True, exist_ok=True)
 
 
 def memory_mib(device: torch.device) -> float:
@@ -117,6 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     held_out = ByteBlocks(corpus.held_out, model_config.block_size)
 
     num_params = model.num_parameters()  # before ZeRO-3 shards the parameters away
+    make_nvme_dirs(args.config)
     engine, _, loader, _ = terascale.initialize(model=model, config=args.config, training_data=train_data)
     cfg = engine.config
     steps = args.steps

@@ -63,12 +63,14 @@ def test_generate_is_reproducible_and_extends_the_prompt():
     assert a.shape == (24,) and torch.equal(a, b) and torch.equal(a[:4], prompt)
 
 
-def test_demo_trains_on_two_ranks(tmp_path):
-    """The demo script end to end, through the launcher, with a small model and few steps."""
+@pytest.mark.parametrize("config", ["gpt_demo.json", "gpt_demo_nvme.json"])
+def test_demo_trains_on_two_ranks(tmp_path, config):
+    """The demo script end to end, through the launcher, with a small model and few steps
+    (the NVMe config: optimizer state and parameters in swap files under ./runs)."""
     out = tmp_path / "demo"
     cmd = [
         sys.executable, "-m", "terascale", "run", "--nproc", "2", str(ROOT / "examples" / "train_gpt.py"),
-        "--config", str(ROOT / "examples" / "configs" / "gpt_demo.json"), "--out", str(out),
+        "--config", str(ROOT / "examples" / "configs" / config), "--out", str(out),
         "--steps", "16", "--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32",
         "--max-bytes", "300000", "--eval-every", "8", "--eval-batches", "2", "--sample-tokens", "40",
     ]
@@ -88,3 +90,4 @@ def test_demo_trains_on_two_ranks(tmp_path):
     assert (out / "loss.png").stat().st_size > 10_000
     sample = (out / "sample.txt").read_text()
     assert sample.startswith("def ") and "--- sample" in proc.stdout
+    assert not any((tmp_path / "runs").rglob("*.swp"))  # the engine deletes its swap files
