@@ -86,6 +86,31 @@ def _model(args: argparse.Namespace):
     return GPT(cfg)
 
 
+def _torch_step(forward, opt):
+    """One plain PyTorch training step (DDP and FSDP2 wrap the model; the loop is the same)."""
+
+    def step(x, y):
+        loss = forward(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def _engine_step(engine):
+    """One step through a terascale or DeepSpeed engine (the same three calls)."""
+
+    def step(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return step
+
+
 def _ddp(args: argparse.Namespace, model, device):
     import torch
     from torch.nn.parallel import DistributedDataParallel
@@ -93,15 +118,7 @@ def _ddp(args: argparse.Namespace, model, device):
     model = model.to(device)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
-
-    def step(x, y):
-        loss = ddp(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    return step
+    return _torch_step(ddp, opt)
 
 
 def _terascale(args: argparse.Namespace, model, device, stage: int = 0, **zero):
@@ -115,14 +132,7 @@ def _terascale(args: argparse.Namespace, model, device, stage: int = 0, **zero):
         "zero_optimization": {"stage": stage, **zero},
     }
     engine, *_ = terascale.initialize(model=model, config=config)
-
-    def step(x, y):
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        return loss
-
-    return step
+    return _engine_step(engine)
 
 
 def _fsdp2(args: argparse.Namespace, model, device, reshard: bool = True):
@@ -136,15 +146,7 @@ def _fsdp2(args: argparse.Namespace, model, device, reshard: bool = True):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
-
-    def step(x, y):
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    return step
+    return _torch_step(model, opt)
 
 
 def _deepspeed(args: argparse.Namespace, model, device, stage: int = 0):
@@ -159,14 +161,7 @@ def _deepspeed(args: argparse.Namespace, model, device, stage: int = 0):
     }
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-
-    def step(x, y):
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        return loss
-
-    return step
+    return _engine_step(engine)
 
 
 def _build(system: str, args: argparse.Namespace, model, device):

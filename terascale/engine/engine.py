@@ -10,8 +10,8 @@ optimizer/scheduler come from ``terascale.optim``. The train step has no per-sta
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, Callable
 
 import psutil

@@ -106,6 +106,10 @@ class IoHandle:
     def done(self) -> bool:
         return all(f.done() for f in self._futures)
 
+    def unreported_error(self) -> bool:
+        """Whether the finished request failed and nobody has waited for it yet."""
+        return not self.waited and any(f.exception() is not None for f in self._futures)
+
     def wait(self) -> int:
         """Block until the request completes; return its bytes or raise :class:`AioError`."""
         self.waited = True
@@ -203,7 +207,8 @@ class AsyncIO:
             self.bytes_written += nbytes
         handle = IoHandle(desc, futures, nbytes)
         with self._lock:
-            self._outstanding = [h for h in self._outstanding if not h.done()] + [handle]
+            # Finished requests are forgotten unless their error still awaits a waiter.
+            self._outstanding = [h for h in self._outstanding if not h.done() or h.unreported_error()] + [handle]
         return handle
 
     # -- files -------------------------------------------------------------------------------

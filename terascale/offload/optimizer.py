@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -133,50 +134,51 @@ class OptimizerSwapper:
     @contextmanager
     def resident(self, write_back: bool) -> Iterator[None]:
         """Swap every run's masters in (not the optimizer state) for reading, or modifying
-        with ``write_back``; one run at a time would do, but callers want all masters."""
+        with ``write_back``."""
         bufs = []
         try:
             for k in range(len(self.runs)):
                 buf = torch.empty(self._nbytes[k], dtype=torch.uint8)
-                self.aio.sync_read(buf, self.directory.file(f"run{k}"))
+                self.aio.sync_read(buf, self._file(k))
                 self._bind(k, buf, None)
                 bufs.append(buf)
             yield
             if write_back:
                 for k, buf in enumerate(bufs):
-                    self.aio.sync_write(buf, self.directory.file(f"run{k}"))
+                    self.aio.sync_write(buf, self._file(k))
         finally:
             for k in range(len(bufs)):
                 self._unbind(k, None)
 
     # -- buffers and files ---------------------------------------------------------------------
 
+    def _file(self, k: int) -> Path:
+        return self.directory.file(f"run{k}")
+
+    def _finish_oldest_write(self) -> None:
+        buf, handle = self._writes.popleft()
+        handle.wait()  # raises a failed write here
+        self.pool.release(buf)
+
     def _acquire(self) -> torch.Tensor:
         while not self.pool.available():
-            buf, handle = self._writes.popleft()
-            handle.wait()
-            self.pool.release(buf)
+            self._finish_oldest_write()
         return self.pool.acquire()
 
     def _buffer_free_now(self) -> bool:
         while self._writes and self._writes[0][1].done():
-            buf, handle = self._writes.popleft()
-            handle.wait()  # raises a failed write here
-            self.pool.release(buf)
+            self._finish_oldest_write()
         return self.pool.available()
 
     def _read(self, k: int, buf: torch.Tensor) -> tuple[torch.Tensor, IoHandle]:
-        return buf, self.aio.read(buf[: self._nbytes[k]], self.directory.file(f"run{k}"))
+        return buf, self.aio.read(buf[: self._nbytes[k]], self._file(k))
 
     def _write(self, k: int, buf: torch.Tensor) -> None:
-        handle = self.aio.write(buf[: self._nbytes[k]], self.directory.file(f"run{k}"))
-        self._writes.append((buf, handle))
+        self._writes.append((buf, self.aio.write(buf[: self._nbytes[k]], self._file(k))))
 
     def _drain_writes(self) -> None:
         while self._writes:
-            buf, handle = self._writes.popleft()
-            handle.wait()
-            self.pool.release(buf)
+            self._finish_oldest_write()
 
     # -- binding tensors to buffers ------------------------------------------------------------
 

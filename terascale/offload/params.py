@@ -80,7 +80,7 @@ class OffloadedParams:
             )
         # Buffers as large as the largest shard, not buffer_size: that is all a fetch needs.
         self.pool = BufferPool(max(2, policy.buffer_count), pin_memory=pin)
-        self.pool.reserve(max((groups[g].layout.shard_numel * groups[g].dtype.itemsize for g in offloaded), default=1))
+        self.pool.reserve(max((_shard_nbytes(groups[g]) for g in offloaded), default=1))
         kept, to_disk = 0, []
         for g in offloaded:
             n = groups[g].layout.shard_numel
@@ -89,9 +89,7 @@ class OffloadedParams:
                 self.state[g] = Residency.RESIDENT
             else:
                 to_disk.append(g)
-        self.directory.require_free(
-            sum(groups[g].layout.shard_numel * groups[g].dtype.itemsize for g in to_disk), "offload_param"
-        )
+        self.directory.require_free(sum(_shard_nbytes(groups[g]) for g in to_disk), "offload_param")
         for g in to_disk:
             fg = groups[g]
             self.aio.sync_write(fg.shard.detach().cpu().contiguous(), self._file(g))
@@ -123,7 +121,7 @@ class OffloadedParams:
         if self.state[g] is Residency.FETCHING:
             buf, handle = self._pending[g]
             handle.wait()
-            fg.shard = buf[: fg.layout.shard_numel * fg.dtype.itemsize].view(fg.dtype)
+            fg.shard = buf[: _shard_nbytes(fg)].view(fg.dtype)
             if fg.device.type != "cpu":
                 fg.shard = fg.shard.to(fg.device)
 
@@ -139,14 +137,13 @@ class OffloadedParams:
         fg = self.groups[g]
         self._drain_writes()  # a read must see the step's writes
         buf = self.pool.acquire()
-        nbytes = fg.layout.shard_numel * fg.dtype.itemsize
-        self._pending[g] = (buf, self.aio.read(buf[:nbytes], self._file(g)))
+        self._pending[g] = (buf, self.aio.read(buf[: _shard_nbytes(fg)], self._file(g)))
         self.state[g] = Residency.FETCHING
         self.fetches += 1
 
     def _spare_buffers(self, n: int, wait: bool = False) -> bool:
-        free = self.pool.count - len(self._pending)
-        if free >= n:
+        # Only fetches hold pool buffers: each is released when its gather has copied it.
+        if self.pool.free() >= n:
             return True
         assert not wait, "every parameter buffer is held by a fetch; raise offload_param.buffer_count"
         return False
@@ -209,11 +206,7 @@ class OffloadedParams:
     # -- accounting and teardown --------------------------------------------------------------
 
     def nbytes_on_disk(self) -> int:
-        return sum(
-            self.groups[g].layout.shard_numel * self.groups[g].dtype.itemsize
-            for g, s in self.state.items()
-            if s is not Residency.RESIDENT
-        )
+        return sum(_shard_nbytes(self.groups[g]) for g, s in self.state.items() if s is not Residency.RESIDENT)
 
     def nbytes_in_memory(self) -> int:
         return 0 if self.pool is None else self.pool.nbytes_held()
@@ -228,3 +221,7 @@ class OffloadedParams:
             self.aio.close()
         finally:
             self.directory.remove()
+
+
+def _shard_nbytes(fg: FlatParamGroup) -> int:
+    return fg.layout.shard_numel * fg.dtype.itemsize

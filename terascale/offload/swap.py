@@ -72,8 +72,12 @@ class BufferPool:
             self.nbytes = nbytes
             self._free = [b for b in self._free if b.numel() >= nbytes]
 
+    def free(self) -> int:
+        """Buffers that can be acquired now."""
+        return self.count - self._out
+
     def available(self) -> bool:
-        return self._out < self.count
+        return self.free() > 0
 
     def acquire(self) -> torch.Tensor:
         assert self.available(), "buffer pool exhausted: release a buffer first"

@@ -99,9 +99,9 @@ class ShardedMasters:
         for i in run:
             piece = self.pieces[i]
             shard = self.groups[piece.group].shard[piece.lo : piece.hi]
-            device = device or self.device or shard.device
-            share = self._share and shard.dtype == self.dtype and shard.device == device
-            self.masters[i].data = shard if share else shard.to(device=device, dtype=self.dtype, copy=True)
+            target = device or self.device or shard.device
+            share = self._share and shard.dtype == self.dtype and shard.device == target
+            self.masters[i].data = shard if share else shard.to(device=target, dtype=self.dtype, copy=True)
             self.shares_storage[i] = share
 
     def param_groups(self, options: Sequence[dict]) -> list[dict]:

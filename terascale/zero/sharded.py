@@ -285,16 +285,18 @@ class ShardedState:
         Collective: every rank of the group must call it.
         """
         out: dict[int, torch.Tensor] = {}
-        for g, fg in enumerate(self.groups):
-            with self._masters_resident(write_back=False), self._shards_resident([g], write_back=False):
-                shard = self.masters.fp32_shard(g)
-            if fg.layout.world_size == 1:
-                full = shard
-            else:
-                full = torch.empty(fg.layout.padded_numel, dtype=torch.float32, device=self.device)
-                all_gather_flat(full, shard, self.group)
-            for slot, p in zip(fg.layout.slots, fg.params):
-                out[id(p)] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).to("cpu", copy=True)
+        # Swapped-out masters are read once for all groups, not once per group.
+        with self._masters_resident(write_back=False):
+            for g, fg in enumerate(self.groups):
+                with self._shards_resident([g], write_back=False):
+                    shard = self.masters.fp32_shard(g)
+                if fg.layout.world_size == 1:
+                    full = shard
+                else:
+                    full = torch.empty(fg.layout.padded_numel, dtype=torch.float32, device=self.device)
+                    all_gather_flat(full, shard, self.group)
+                for slot, p in zip(fg.layout.slots, fg.params):
+                    out[id(p)] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).to("cpu", copy=True)
         return out
 
     @torch.no_grad()
@@ -354,18 +356,21 @@ class ShardedState:
     @torch.no_grad()
     def release(self, params: list[nn.Parameter], token: object, modifier_rank: int | None) -> None:
         groups, was_sharded, saved = token
-        for g in groups:
-            fg = self.groups[g]
-            if modifier_rank is not None:
-                if fg.layout.world_size > 1:
-                    src = dist.get_global_rank(self.group, modifier_rank)
-                    dist.broadcast(fg.full_buffer, src=src, group=self.group)
-                with self._masters_resident(write_back=True), self._shards_resident([g], write_back=True):
-                    fg.update_shard_from_full()
-                    self.masters.refresh_from_shard(g)
-            elif fg.persistent:
-                fg.shard.copy_(saved[g])  # discard local changes
-                fg.regather()
+        modified = modifier_rank is not None
+        # Swapped-out masters are read (and written back) once for all groups.
+        with self._masters_resident(write_back=True) if modified else contextlib.nullcontext():
+            for g in groups:
+                fg = self.groups[g]
+                if modified:
+                    if fg.layout.world_size > 1:
+                        src = dist.get_global_rank(self.group, modifier_rank)
+                        dist.broadcast(fg.full_buffer, src=src, group=self.group)
+                    with self._shards_resident([g], write_back=True):
+                        fg.update_shard_from_full()
+                        self.masters.refresh_from_shard(g)
+                elif fg.persistent:
+                    fg.shard.copy_(saved[g])  # discard local changes
+                    fg.regather()
         for g in was_sharded:
             self.groups[g].reshard()
 
