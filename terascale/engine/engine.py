@@ -302,6 +302,12 @@ class Engine(nn.Module):
         out["model_states"] = out["params"] + out["grads"] + out["master_params"] + out["optimizer_state"]
         return out
 
+    def offload_io(self) -> dict[str, int]:
+        """Bytes this rank has read from and written to its NVMe swap files so far
+        (``{"read": ..., "written": ...}``; zeros without an NVMe tier): the traffic a
+        step costs is the difference across it."""
+        return self._state.offload_io()
+
     def destroy(self) -> None:
         """Remove hooks and close monitors (the engine is unusable afterwards)."""
         self._state.remove_hooks()

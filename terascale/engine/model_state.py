@@ -48,6 +48,8 @@ class ModelState(Protocol):
 
     def memory(self) -> dict[str, int]: ...
 
+    def offload_io(self) -> dict[str, int]: ...
+
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None: ...
 
     def remove_hooks(self) -> None: ...
@@ -147,6 +149,9 @@ class ReplicatedState:
             "grads": _nbytes([self._buckets.buffer]),
             "master_params": _nbytes(masters) if masters else 0,
         }
+
+    def offload_io(self) -> dict[str, int]:
+        return {"read": 0, "written": 0}  # stage 0 has no offload tier
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         pass  # every optimizer sees whole parameters at stage 0

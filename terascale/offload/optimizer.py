@@ -72,7 +72,8 @@ class OptimizerSwapper:
     """Keeps the masters and optimizer state of ``runs`` (piece indices) in swap files.
 
     ``masters`` must have been built with ``create=False``: the constructor creates each
-    run's masters and writes them out before creating the next.
+    run's masters (with ``create_run``, default ``masters.create_run``) and writes them
+    out before creating the next.
     """
 
     def __init__(
@@ -84,6 +85,7 @@ class OptimizerSwapper:
         buffer_count: int,
         *,
         pin_memory: bool = False,
+        create_run: Callable[[list[int]], None] | None = None,
     ) -> None:
         self.masters = masters
         self.runs = [list(r) for r in runs]
@@ -97,7 +99,7 @@ class OptimizerSwapper:
         directory.require_free(3 * numel * masters.dtype.itemsize, "offload_optimizer (masters and Adam state)")
         self._writes: deque[tuple[torch.Tensor, IoHandle]] = deque()
         for k, run in enumerate(self.runs):
-            masters.create_run(run)
+            (create_run or masters.create_run)(run)
             segments, nbytes = _layout([(i, _MASTER, masters.masters[i].data) for i in run])
             self._layouts.append(segments)
             self._nbytes.append(nbytes)

@@ -47,55 +47,58 @@ class Residency(enum.Enum):
 
 
 class OffloadedParams:
-    """The shards of ``groups[g]`` for ``g in offloaded`` on ``policy``'s tier (a :class:`ShardHome`)."""
+    """Shards of the groups :meth:`add`-ed with ``offload`` on ``policy``'s tier (a :class:`ShardHome`)."""
 
-    def __init__(
-        self, groups: Sequence[FlatParamGroup], offloaded: Sequence[int], policy: ParamOffload, rank: int
-    ) -> None:
+    def __init__(self, policy: ParamOffload, rank: int) -> None:
         assert policy.enabled
-        self.groups = list(groups)
-        self._index = {id(fg): g for g, fg in enumerate(self.groups)}
+        self.groups: list[FlatParamGroup] = []
+        self._index: dict[int, int] = {}
         self.policy = policy
         self.state: dict[int, Residency] = {}
         self._pending: dict[int, tuple[torch.Tensor, IoHandle]] = {}
         self._writes: list[tuple[torch.Tensor, IoHandle]] = []
         self.fetches = 0  # reads issued (for tests and reports)
         self.fetches_ahead = 0  # of which started ahead of the gather that needed them
-        pin = policy.pin_memory and torch.cuda.is_available()
+        self._pin = policy.pin_memory and torch.cuda.is_available()
+        self._kept_numel = 0  # elements of shards kept in host memory under max_in_cpu
+        self._disk_nbytes = 0
         if policy.device == "cpu":
-            for g in offloaded:
-                fg = groups[g]
-                if fg.device.type != "cpu":
-                    fg.shard = fg.shard.to("cpu").pin_memory() if pin else fg.shard.to("cpu")
-                self.state[g] = Residency.RESIDENT
             self.directory = self.aio = self.pool = None
             return
         self.directory = SwapDirectory(policy.nvme_path, "params", rank)
         self.aio = AsyncIO(policy.aio)
-        largest = max((groups[g].layout.shard_numel for g in offloaded), default=0)
-        if largest > policy.buffer_size:
-            raise ValueError(
-                f"offload_param.buffer_size is {policy.buffer_size} elements but the largest parameter "
-                f"group's shard has {largest}; raise buffer_size to at least {largest}"
-            )
         # Buffers as large as the largest shard, not buffer_size: that is all a fetch needs.
-        self.pool = BufferPool(max(2, policy.buffer_count), pin_memory=pin)
-        self.pool.reserve(max((_shard_nbytes(groups[g]) for g in offloaded), default=1))
-        kept, to_disk = 0, []
-        for g in offloaded:
-            n = groups[g].layout.shard_numel
-            if kept + n <= policy.max_in_cpu:
-                kept += n
-                self.state[g] = Residency.RESIDENT
-            else:
-                to_disk.append(g)
-        self.directory.require_free(sum(_shard_nbytes(groups[g]) for g in to_disk), "offload_param")
-        for g in to_disk:
-            fg = groups[g]
-            self.aio.sync_write(fg.shard.detach().cpu().contiguous(), self._file(g))
-            fg.shard = torch.empty(0, dtype=fg.dtype, device=fg.device)
-            self.state[g] = Residency.OFFLOADED
-            fg.home = self
+        self.pool = BufferPool(max(2, policy.buffer_count), pin_memory=self._pin)
+
+    def add(self, fg: FlatParamGroup, offload: bool) -> None:
+        """Take group ``fg`` (the next group in order) onto the tier if ``offload``; on
+        NVMe its shard is written out now, so a model is built one group at a time."""
+        g = len(self.groups)
+        self.groups.append(fg)
+        self._index[id(fg)] = g
+        if not offload:
+            return
+        self.state[g] = Residency.RESIDENT
+        if self.policy.device == "cpu":
+            if fg.device.type != "cpu":
+                fg.shard = fg.shard.to("cpu").pin_memory() if self._pin else fg.shard.to("cpu")
+            return
+        numel = fg.layout.shard_numel
+        if numel > self.policy.buffer_size:
+            raise ValueError(
+                f"offload_param.buffer_size is {self.policy.buffer_size} elements but parameter group "
+                f"{g}'s shard has {numel}; raise buffer_size to at least {numel}"
+            )
+        if self._kept_numel + numel <= self.policy.max_in_cpu:
+            self._kept_numel += numel
+            return
+        self.pool.reserve(_shard_nbytes(fg))
+        self._disk_nbytes += _shard_nbytes(fg)
+        self.directory.require_free(self._disk_nbytes, "offload_param")
+        self.aio.sync_write(fg.shard.detach().cpu().contiguous(), self._file(g))
+        fg.shard = torch.empty(0, dtype=fg.dtype, device=fg.device)
+        self.state[g] = Residency.OFFLOADED
+        fg.home = self
 
     def _file(self, g: int) -> Path:
         return self.directory.file(f"group{g}")

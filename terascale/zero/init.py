@@ -12,6 +12,13 @@ tensor, and partitions the result again, taking rank 0's values. Shape queries a
 with the full shape. At most one parameter is full at a time, so construction peaks at
 the shards (2Ψ/N bytes in bf16) plus one parameter.
 
+``remote_device`` says where the slices wait for ``terascale.initialize``: on the
+device (``none``), in host memory (``cpu``) or in a swap file on NVMe (``nvme``, under
+``offload_param.nvme_path`` of the config). With ``nvme`` construction holds one
+parameter at a time whatever the model's size, so a model whose parameters alone exceed
+host memory can be built; DeepSpeed's default applies: the config's
+``offload_param.device`` when ``remote_device`` is not given.
+
 ``terascale.initialize`` then builds its flat groups from these slices, one parameter
 at a time (:meth:`Init.full_value`), and takes the parameters over from the context.
 Every rank must build the same model (the calls above are collectives).
@@ -20,6 +27,7 @@ Every rank must build the same model (the calls above are collectives).
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +40,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from terascale.comm import all_gather_flat, init_distributed
 from terascale.config import Config
+from terascale.offload.aio import AioOptions, AsyncIO
+from terascale.offload.swap import SwapDirectory, round_up
 from terascale.zero.gather import owner_of, register_owner, unregister
 from terascale.zero.host import return_freed_host_memory
 
@@ -39,7 +49,45 @@ from terascale.zero.host import return_freed_host_memory
 @dataclass
 class _Slice:
     shape: torch.Size
-    shard: torch.Tensor  # this rank's elements of the flattened, padded parameter
+    shard: torch.Tensor  # this rank's elements of the flattened, padded parameter (empty on NVMe)
+    offset: int | None = None  # where the elements are in the NVMe slice file
+    shard_numel: int = 0
+
+
+class _NvmeSlices:
+    """This rank's parameter slices in one swap file, each at a fixed aligned offset
+    (a repartitioned parameter is written over its old slice)."""
+
+    def __init__(self, nvme_path: str, rank: int, aio: AioOptions) -> None:
+        self.directory = SwapDirectory(nvme_path, "init", rank)
+        self.file = self.directory.file("slices")
+        self.aio = AsyncIO(aio)
+        self._end = 0
+        self.live = 0
+        # The directory goes when the last slice is taken over or the Init is dropped.
+        self._cleanup = weakref.finalize(self, _NvmeSlices._remove, self.aio, self.directory)
+
+    def store(self, shard: torch.Tensor, offset: int | None) -> int:
+        if offset is None:
+            offset, self._end = self._end, round_up(self._end + shard.numel() * shard.element_size())
+            self.live += 1
+        self.aio.sync_write(shard.cpu().contiguous(), self.file, offset)
+        return offset
+
+    def load(self, piece: _Slice, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(piece.shard_numel, dtype=dtype)
+        self.aio.sync_read(out, self.file, piece.offset)
+        return out
+
+    def forget(self) -> None:
+        self.live -= 1
+        if self.live == 0:
+            self._cleanup()
+
+    @staticmethod
+    def _remove(aio: AsyncIO, directory: SwapDirectory) -> None:
+        aio.close()
+        directory.remove()
 
 
 _SHAPE_QUERIES = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel}
@@ -68,13 +116,22 @@ class Init:
         remote_device: str | None = None,
         enabled: bool = True,
     ) -> None:
-        if remote_device not in (None, "none"):
-            raise ValueError(
-                f"zero.Init(remote_device={remote_device!r}): parameter offload is not built yet; "
-                "leave remote_device unset"
-            )
         source = config if config is not None else config_dict_or_path
         cfg = Config.load(source) if source is not None else None
+        offload = cfg.zero_optimization.offload_param if cfg is not None else None
+        if remote_device is None:
+            remote_device = offload.device if offload is not None else "none"
+        if remote_device not in ("none", "cpu", "nvme"):
+            raise ValueError(f"zero.Init(remote_device={remote_device!r}): expected 'none', 'cpu' or 'nvme'")
+        if remote_device == "nvme" and (offload is None or offload.nvme_path is None):
+            raise ValueError(
+                "zero.Init(remote_device='nvme') needs a config whose zero_optimization.offload_param "
+                "has an nvme_path (the directory for the slice file)"
+            )
+        self.remote_device = remote_device
+        self._nvme_path = offload.nvme_path if remote_device == "nvme" else None
+        self._aio = AioOptions.from_config(cfg.aio) if cfg is not None else AioOptions()
+        self._nvme: _NvmeSlices | None = None
         self.enabled = enabled
         self.dtype = dtype or (cfg.compute_dtype if cfg is not None else None)
         self._group = data_parallel_group
@@ -94,6 +151,8 @@ class Init:
         self.device = ctx.device
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
+        if self.remote_device == "nvme" and self._nvme is None:
+            self._nvme = _NvmeSlices(self._nvme_path, dist.get_rank(), self._aio)
         self._hook = nn.modules.module.register_module_parameter_registration_hook(self._on_register)
         self._mode = _PartitionMode(self)
         self._mode.__enter__()
@@ -120,45 +179,55 @@ class Init:
             self._partition(param, full.contiguous())
 
     @torch.no_grad()
-    def _partition(self, param: nn.Parameter, full: torch.Tensor) -> None:
-        """Take rank 0's ``full`` value of ``param``; keep this rank's slice; empty the param."""
+    def _partition(self, param: nn.Parameter, full: torch.Tensor, offset: int | None = None) -> None:
+        """Take rank 0's ``full`` value of ``param``; keep this rank's slice (on the remote
+        device; at ``offset`` of the slice file when repartitioning); empty the param."""
         if self.world > 1:
             dist.broadcast(full, src=dist.get_global_rank(self.group, 0), group=self.group)
         per_rank = max(1, math.ceil(full.numel() / self.world))
         lo = min(self.rank * per_rank, full.numel())
         hi = min(lo + per_rank, full.numel())
-        shard = torch.zeros(per_rank, dtype=full.dtype, device=full.device)
+        home = full.device if self.remote_device == "none" else torch.device("cpu")
+        shard = torch.zeros(per_rank, dtype=full.dtype, device=home)
         shard[: hi - lo].copy_(full.reshape(-1)[lo:hi])
-        self._slices[param] = _Slice(full.shape, shard)
+        piece = _Slice(full.shape, shard, shard_numel=per_rank)
+        if self._nvme is not None:
+            piece.offset = self._nvme.store(shard, offset)
+            piece.shard = torch.empty(0, dtype=full.dtype)
+        self._slices[param] = piece
         param.data = torch.empty(0, dtype=full.dtype, device=full.device)
         register_owner([param], self)
-        del full
-        if shard.device.type == "cpu":
+        del full, shard
+        if home.type == "cpu":
             return_freed_host_memory()
 
     @torch.no_grad()
     def full_value(self, param: nn.Parameter) -> torch.Tensor:
         """``param``'s full value, all-gathered from every rank's slice (collective)."""
         piece = self._slices[param]
-        flat = torch.empty(piece.shard.numel() * self.world, dtype=piece.shard.dtype, device=piece.shard.device)
+        shard = piece.shard if piece.offset is None else self._nvme.load(piece, piece.shard.dtype)
+        shard = shard.to(self.device)
+        flat = torch.empty(piece.shard_numel * self.world, dtype=shard.dtype, device=self.device)
         if self.world > 1:
-            all_gather_flat(flat, piece.shard, self.group)
+            all_gather_flat(flat, shard, self.group)
         else:
-            flat.copy_(piece.shard)
+            flat.copy_(shard)
         return flat[: math.prod(piece.shape)].view(piece.shape)
 
     def _repartition(self, param: nn.Parameter, full: torch.Tensor) -> None:
-        self._slices.pop(param, None)
+        old = self._slices.pop(param, None)
         unregister([param])
-        self._partition(param, full)
+        self._partition(param, full, None if old is None else old.offset)
 
     def shape_of(self, param: nn.Parameter) -> torch.Size:
         return self._slices[param].shape
 
     def release_ownership(self, param: nn.Parameter) -> None:
         """Forget ``param`` (an engine now owns its storage)."""
-        self._slices.pop(param, None)
+        piece = self._slices.pop(param, None)
         unregister([param])
+        if piece is not None and piece.offset is not None:
+            self._nvme.forget()
 
     # -- GatheredParameters ----------------------------------------------------------------------
 

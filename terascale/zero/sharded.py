@@ -126,8 +126,15 @@ class ShardedState:
             persistence_threshold=options.persistence_threshold,
             shard_params=options.stage == 3,
         )
-        self.groups = [
-            FlatParamGroup(
+        # [Note: building under a memory bound]: groups are built one at a time; each
+        # takes its parameters over from a zero.Init (whose slices are then freed) and,
+        # with parameter offload, goes to its tier before the next group exists. Masters
+        # are made run by run from the shards (read back from NVMe where they went) and
+        # go to the optimizer's tier before the next run's exist.
+        self.params = OffloadedParams(options.offload_param, dist.get_rank(group)) if options.offload_param.enabled else None
+        self.groups: list[FlatParamGroup] = []
+        for plan in self.plans:
+            fg = FlatParamGroup(
                 list(zip(plan.names, plan.params)),
                 group,
                 dtype=dtype,
@@ -136,27 +143,18 @@ class ShardedState:
                 init_values=lambda i, p: _initial_value(p),
                 shapes=[_initial_shape(p) for p in plan.params],
             )
-            for plan in self.plans
-        ]
-        for fg in self.groups:
             for p in fg.params:
                 release = getattr(owner_of(p), "release_ownership", None)
                 if release is not None:
                     release(p)
             register_owner(fg.params, self)
-        if device.type == "cpu":
-            return_freed_host_memory()  # the full copies of sharded parameters are gone
+            self.groups.append(fg)
+            if self.params is not None:
+                self.params.add(fg, offload=not fg.persistent)
+            if device.type == "cpu":
+                return_freed_host_memory()  # the full copies of sharded parameters are gone
         self._group_of = {id(p): g for g, fg in enumerate(self.groups) for p in fg.params}
         self.masters, self.swapper = self._place_masters(options.offload_optimizer)
-        # After the masters, which are made from the shards this may move away.
-        self.params = (
-            OffloadedParams(
-                self.groups, [g for g, fg in enumerate(self.groups) if not fg.persistent], options.offload_param,
-                dist.get_rank(group),
-            )
-            if options.offload_param.enabled
-            else None
-        )  # fmt: skip
         nvme_params = self.params is not None and options.offload_param.device == "nvme"
         self.schedule = (
             ParamSchedule(self.plans, self.groups, options.schedule, fetch=self.params.fetch if nvme_params else None)
@@ -192,14 +190,24 @@ class ShardedState:
                 offloaded.append(run)
                 numel += sum(masters.pieces[i].hi - masters.pieces[i].lo for i in run)
             else:  # no offload, or beyond the ratio: with the parameter shards
-                masters.create_run(run, device=self.device)
+                self._create_masters(masters, run, device=self.device)
         if tier.device != "nvme":
             for run in offloaded:
-                masters.create_run(run)
+                self._create_masters(masters, run)
             return masters, None
         directory = SwapDirectory(tier.nvme_path, "optimizer", dist.get_rank())
         aio = AsyncIO(tier.aio)
-        return masters, OptimizerSwapper(masters, offloaded, directory, aio, tier.buffer_count, pin_memory=tier.pin_memory)
+        swapper = OptimizerSwapper(
+            masters, offloaded, directory, aio, tier.buffer_count, pin_memory=tier.pin_memory,
+            create_run=lambda run: self._create_masters(masters, run),
+        )  # fmt: skip
+        return masters, swapper
+
+    def _create_masters(self, masters: ShardedMasters, run: list[int], device: torch.device | None = None) -> None:
+        """Make run ``run``'s masters from its parameter shards, read back if on NVMe."""
+        groups = sorted({masters.pieces[i].group for i in run})
+        with self._shards_resident(groups, write_back=False):
+            masters.create_run(run, device=device)
 
     # -- the train step ----------------------------------------------------------------------
 
@@ -339,6 +347,11 @@ class ShardedState:
             "offload_buffers": sum(t.nbytes_in_memory() for t in tiers),
             "nvme": sum(t.nbytes_on_disk() for t in tiers),
         }
+
+    def offload_io(self) -> dict[str, int]:
+        """Bytes read from and written to this rank's swap files since construction."""
+        engines = [t.aio for t in (self.swapper, self.params) if t is not None and t.aio is not None]
+        return {"read": sum(a.bytes_read for a in engines), "written": sum(a.bytes_written for a in engines)}
 
     # -- GatheredParameters (see [Note: owner table]) ------------------------------------------
 

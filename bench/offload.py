@@ -1,0 +1,256 @@
+"""NVMe-offloaded training: step time against the disk-traffic floor, and the largest model.
+
+    python bench/offload.py --layers 8 --width 2048 --repeats 3 --steps 4      # the floor
+    python bench/offload.py --layers 20 --width 4096 --repeats 1 --steps 2     # ~4B params
+
+A GPT (``examples/gpt``) trains at ZeRO stage 3 in bf16 with its parameter shards
+(``offload_param``) and its fp32 masters and AdamW state (``offload_optimizer``) on
+NVMe under ``--dir``, built inside ``zero.Init`` straight to NVMe, so host memory never
+holds the model. Each job runs under ``torchrun`` and reports, per step, the time, the
+bytes its swap files moved (``engine.offload_io()``) and the peak RSS.
+
+The floor of a step is the time the disk needs for those bytes at its raw speed:
+``read bytes / read GB/s + write bytes / write GB/s``, with the raw speed measured by fio
+(O_DIRECT, sequential, 1 MiB blocks, 4 jobs x queue depth 32) on ``--fio-gib`` in the
+same directory right before each job, so the floor and the step see the same disk
+(this machine's disk speed drifts by 2x over minutes). The first step is left out: it
+creates the optimizer state and moves different bytes. The largest-model figure is the
+same measurement on a model whose states exceed host memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", default=str(ROOT / "runs" / "bench" / "offload"), help="the NVMe directory")
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2, help="torch threads per rank")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4, help="steps per job; the first is left out")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--sub-group-size", type=int, default=50_000_000)
+    p.add_argument("--opt-buffers", type=int, default=4, help="offload_optimizer.buffer_count")
+    p.add_argument("--param-buffers", type=int, default=5, help="offload_param.buffer_count")
+    p.add_argument("--fio-gib", type=float, default=2.0)
+    p.add_argument("--json", default=str(ROOT / "runs" / "bench" / "offload.json"))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _config(args: argparse.Namespace, nvme: str) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": args.sub_group_size,
+            "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_count": args.param_buffers,
+                              "buffer_size": 1_000_000_000, "max_in_cpu": 0},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": args.opt_buffers},
+        },
+        "aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1},
+    }  # fmt: skip
+
+
+# -- one training job (runs under torchrun) ------------------------------------------------
+
+
+def worker(args: argparse.Namespace) -> None:
+    import threading
+
+    import psutil
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import terascale
+    from gpt import GPT, GPTConfig
+    from terascale.zero import Init
+
+    torch.set_num_threads(args.threads)
+    proc = psutil.Process()
+    start_rss = proc.memory_info().rss
+    peak = [start_rss]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            done.wait(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    nvme = str(Path(args.dir) / "swap")
+    Path(nvme).mkdir(parents=True, exist_ok=True)
+    config = _config(args, nvme)
+    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
+                    n_embd=args.width)
+    t0 = time.perf_counter()
+    with Init(config=config):  # remote_device: offload_param.device (nvme)
+        torch.manual_seed(0)
+        model = GPT(cfg)
+    built = time.perf_counter() - t0
+    engine, *_ = terascale.initialize(model=model, config=config)
+    construct = time.perf_counter() - t0
+    params = model.num_parameters()
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    steps = []
+    for _ in range(args.steps):
+        x = torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=gen)
+        io0 = engine.offload_io()
+        t = time.perf_counter()
+        loss = engine(x, x)
+        engine.backward(loss)
+        t_fb = time.perf_counter()
+        engine.step()
+        t_end = time.perf_counter()
+        io1 = engine.offload_io()
+        steps.append({
+            "time": t_end - t, "fwd_bwd": t_fb - t, "step": t_end - t_fb, "loss": loss.item(),
+            "read": io1["read"] - io0["read"], "written": io1["written"] - io0["written"],
+            "rss": proc.memory_info().rss,
+        })  # fmt: skip
+        print(f"rank {dist.get_rank()} step {len(steps)}: {steps[-1]['time']:.1f} s, loss {loss.item():.4f}",
+              file=sys.stderr, flush=True)
+    mem = engine.memory_breakdown()
+    engine.destroy()
+    done.set()
+    sampler.join()
+    peak[0] = max(peak[0], proc.memory_info().rss)
+    # ru_maxrss catches peaks between samples (it counts from process start, imports included).
+    import resource
+
+    peak_rss = max(peak[0], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    out = {
+        "rank": dist.get_rank(), "params": params, "construct_s": construct, "build_s": built,
+        "steps": steps, "nvme_bytes": mem["nvme"], "start_rss": start_rss, "peak_rss": peak_rss,
+        "swap_left": sorted(str(p) for p in Path(nvme).rglob("*.swp")),
+    }  # fmt: skip
+    results = [None] * dist.get_world_size()
+    dist.all_gather_object(results, out)
+    if dist.get_rank() == 0:
+        Path(args.result).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# -- the driver -----------------------------------------------------------------------------
+
+
+def _fio():
+    spec = importlib.util.spec_from_file_location("bench_aio", ROOT / "bench" / "aio.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.fio_rw
+
+
+def run_job(args: argparse.Namespace, result: Path) -> list[dict]:
+    keep = ("dir", "threads", "steps", "micro_batch", "seq", "vocab", "width", "layers", "heads",
+            "sub_group_size", "opt_buffers", "param_buffers")
+    forwarded = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keep]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           __file__, "--worker", f"--result={result}", *forwarded]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=None, text=True)
+    if proc.returncode != 0 and not result.exists():
+        raise SystemExit(f"training job failed ({proc.returncode})")
+    return json.loads(result.read_text())
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
+    if args.steps < 2:
+        raise SystemExit("--steps must be at least 2 (the first step is left out)")
+    directory = Path(args.dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    has_fio = shutil.which("fio") is not None
+    if not has_fio:
+        raise SystemExit("fio is needed for the raw disk speed (apt install fio)")
+    fio_rw = _fio()
+    fio_bytes = int(args.fio_gib * 2**30) // 2**20 * 2**20
+    print(f"disk: {shutil.disk_usage(directory).free / 2**30:.1f} GiB free in {directory}", file=sys.stderr)
+    repeats = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for r in range(args.repeats):
+                probe = directory / "fio.bin"
+                disk = fio_rw(probe, fio_bytes, 4, 32, 1 << 20)
+                probe.unlink(missing_ok=True)
+                print(f"repeat {r}: fio write {disk['write']:.2f} GB/s read {disk['read']:.2f} GB/s",
+                      file=sys.stderr, flush=True)
+                ranks = run_job(args, Path(tmp) / f"job{r}.json")
+                repeats.append({"disk": disk, "ranks": ranks})
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "repeats": repeats}, indent=1) + "\n")
+    report(args, repeats)
+
+
+def report(args: argparse.Namespace, repeats: list[dict]) -> None:
+    first = repeats[0]["ranks"][0]
+    params = first["params"]
+    states = 16 * params  # bf16 params and grads, fp32 masters and two Adam moments
+    print(f"\nGPT {args.layers} layers x {args.width}, {params / 1e9:.3f}B params (model states "
+          f"{states / 1e9:.1f} GB), micro-batch {args.micro_batch} x {args.seq} tokens, {args.nproc} rank(s) x "
+          f"{args.threads} thread(s), bf16, ZeRO-3, params and optimizer on NVMe; "
+          f"{args.repeats} repeat(s) x {args.steps - 1} timed steps\n")
+    print("| repeat | step s (median) | fwd+bwd s | optimizer s | read GB/step | written GB/step | "
+          "fio read / write GB/s | floor s | step / floor | peak RSS GiB (growth) | build s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    ratios = []
+    for r, rep in enumerate(repeats):
+        ranks, disk = rep["ranks"], rep["disk"]
+        timed = [rk["steps"][1:] for rk in ranks]
+        # All ranks share the disk: the floor counts every rank's bytes.
+        steps = [max(rk[i]["time"] for rk in timed) for i in range(len(timed[0]))]
+        read = statistics.median(sum(rk[i]["read"] for rk in timed) for i in range(len(timed[0])))
+        written = statistics.median(sum(rk[i]["written"] for rk in timed) for i in range(len(timed[0])))
+        floor = read / (disk["read"] * 1e9) + written / (disk["write"] * 1e9)
+        step = statistics.median(steps)
+        ratios.append(step / floor)
+        fwd = statistics.median(s["fwd_bwd"] for s in timed[0])
+        opt = statistics.median(s["step"] for s in timed[0])
+        peak = max(rk["peak_rss"] for rk in ranks)
+        growth = max(rk["peak_rss"] - rk["start_rss"] for rk in ranks)
+        left = sum(len(rk["swap_left"]) for rk in ranks)
+        print(f"| {r} | {step:.1f} | {fwd:.1f} | {opt:.1f} | {read / 1e9:.2f} | {written / 1e9:.2f} | "
+              f"{disk['read']:.2f} / {disk['write']:.2f} | {floor:.1f} | {step / floor:.2f} | "
+              f"{peak / 2**30:.2f} ({growth / 2**30:.2f}) | {ranks[0]['construct_s']:.0f} |"
+              + ("" if not left else f" {left} swap files left!"))
+    print(f"\nstep / floor, median over repeats: {statistics.median(ratios):.2f}")
+    losses = [s["loss"] for s in first["steps"]]
+    print("losses (repeat 0, rank 0): " + ", ".join(f"{x:.4f}" for x in losses))
+
+
+if __name__ == "__main__":
+    main()
