@@ -49,8 +49,9 @@ def _swap_rank(path: str) -> dict:
         engine.step()
     mem = engine.memory_breakdown()
     files = sorted(p.name for p in engine._state.swapper.directory.path.glob("*.swp"))
+    grad_files = sorted(p.name for p in engine._state.grads.swapper.directory.path.glob("*.swp"))
     engine.destroy()
-    return {"mem": mem, "files": files}
+    return {"mem": mem, "files": files, "grad_files": grad_files}
 
 
 def test_between_steps_the_optimizer_state_is_only_on_disk(tmp_path):
@@ -58,10 +59,14 @@ def test_between_steps_the_optimizer_state_is_only_on_disk(tmp_path):
     for got in run_ranks(_swap_rank, 2, str(tmp_path)):
         mem = got["mem"]
         assert mem["optimizer_state"] == 0 and mem["master_params"] == 0
-        # fp32 masters + two fp32 Adam moments for this rank's half, in 4096-element runs.
-        assert mem["nvme"] == 12 * psi // 2
+        # fp32 masters + two fp32 Adam moments for this rank's half, in 4096-element runs,
+        # and the bf16 gradient shards ([Note: gradient swapping]); no gradient in memory.
+        assert mem["nvme"] == 12 * psi // 2 + 2 * psi // 2
+        assert mem["grads"] == 0
         assert got["files"] == ["run0.swp", "run1.swp"]  # 4096-element sub-groups
-        assert 0 < mem["offload_buffers"] <= 2 * 12 * 4096
+        assert got["grad_files"] == [f"grad{g}.swp" for g in range(4)]  # one per layer
+        # Two optimizer buffers of a run, two of a 2048-element bf16 gradient shard.
+        assert 0 < mem["offload_buffers"] <= 2 * 12 * 4096 + 2 * 4096
     assert not any((tmp_path / "terascale_swap").rglob("*.swp"))
 
 

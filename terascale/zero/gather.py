@@ -44,6 +44,13 @@ def owner_of(param: nn.Parameter) -> ParamOwner | None:
     return _OWNERS.get(param)
 
 
+def full_numel(param: nn.Parameter) -> int:
+    """Elements of ``param``'s full value, also while an owner (a ``zero.Init``) holds it
+    partitioned and ``param.numel()`` is 0."""
+    shape_of = getattr(owner_of(param), "shape_of", None)
+    return param.numel() if shape_of is None else shape_of(param).numel()
+
+
 class GatheredParameters:
     """Context in which ``params`` are full on every rank, even when ZeRO shards them.
 

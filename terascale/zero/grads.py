@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from terascale.comm.collectives import reduce_scatter_flat
+from terascale.offload.grads import GradSwapper
 from terascale.zero.flat_group import FlatParamGroup
 
 
@@ -63,7 +64,8 @@ class ShardedGrads:
     ``on_group_done(g)`` is called when every trainable parameter of group g has its
     gradient for the current backward (stage 3 frees the gathered parameters then).
     After :meth:`post_backward` of a synchronising backward, :attr:`shards` holds each
-    group's summed-and-averaged gradient slice (or None for a group without trainables).
+    group's summed-and-averaged gradient slice (or None for a group without trainables),
+    unless a ``swapper`` keeps them on NVMe (see [Note: gradient swapping]).
     """
 
     def __init__(
@@ -73,8 +75,11 @@ class ShardedGrads:
         group: ProcessGroup,
         policy: GradPolicy,
         on_group_done: Callable[[int], None] | None = None,
+        swapper: GradSwapper | None = None,
     ) -> None:
+        assert swapper is None or policy.reduce_every_micro_step, "gradient swapping needs stage 2 or 3"
         self.groups = list(groups)
+        self.swapper = swapper  # stages 2-3 with the optimizer on NVMe: shards go to disk
         self.policy = policy
         self.pg = group
         self.world = dist.get_world_size(group)
@@ -93,6 +98,7 @@ class ShardedGrads:
         self._done = [False] * len(self.groups)
         self._next = 0
         self._sync = True
+        self._window_end = True
         self._pending: list[_Pending] = []
         self._handles = []
         for g, (fg, flags) in enumerate(zip(self.groups, trainable)):
@@ -105,6 +111,7 @@ class ShardedGrads:
     def prepare_backward(self, sync: bool) -> None:
         """Start a backward; ``sync`` marks the last micro-step of an accumulation window."""
         self._sync = sync or self.policy.reduce_every_micro_step
+        self._window_end = sync
         self._count = [0] * len(self.groups)
         self._done = [False] * len(self.groups)
         self._next = 0
@@ -206,6 +213,10 @@ class ShardedGrads:
         if post != 1.0:
             reduced.mul_(post)
         flat = self._flat[g]
+        if self.swapper is not None:  # [Note: gradient swapping]
+            self.swapper.store(g, reduced, last_micro_step=self._window_end)
+            self._retire(g)
+            return
         if not pol.reduce_every_micro_step:
             # Stage 1: the shard is this rank's slice of the persistent full buffer.
             if reduced.data_ptr() != flat[lo:hi].data_ptr():
@@ -252,8 +263,12 @@ class ShardedGrads:
                 self._retire(g)
             self._written[g] = [False] * len(self._written[g])  # stage 1: overwrite next window
             self.shards[g] = None
+        if self.swapper is not None:
+            self.swapper.zero_()
 
     def remove_hooks(self) -> None:
+        if self.swapper is not None:
+            self.swapper.close()
         for h in self._handles:
             h.remove()
         self._handles = []

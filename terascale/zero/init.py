@@ -43,7 +43,7 @@ from terascale.config import Config
 from terascale.offload.aio import AioOptions, AsyncIO
 from terascale.offload.swap import SwapDirectory, round_up
 from terascale.zero.gather import owner_of, register_owner, unregister
-from terascale.zero.host import return_freed_host_memory
+from terascale.zero.host import map_large_allocations, return_freed_host_memory
 
 
 @dataclass
@@ -152,6 +152,7 @@ class Init:
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         if self.remote_device == "nvme" and self._nvme is None:
+            map_large_allocations()  # [Note: host memory with an NVMe tier]
             self._nvme = _NvmeSlices(self._nvme_path, dist.get_rank(), self._aio)
         self._hook = nn.modules.module.register_module_parameter_registration_hook(self._on_register)
         self._mode = _PartitionMode(self)

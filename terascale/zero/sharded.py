@@ -15,7 +15,7 @@ parameter shards; persistent groups are then all-gathered back to full.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +28,7 @@ from terascale.comm.collectives import global_grad_norm
 from terascale.config import Config
 from terascale.config.schema import TORCH_DTYPES
 from terascale.offload import AsyncIO, OptimizerOffload, host_adam, optimizer_offload
+from terascale.offload.grads import GradSwapper
 from terascale.offload.optimizer import OptimizerSwapper
 from terascale.offload.params import OffloadedParams
 from terascale.offload.policy import ParamOffload, param_offload
@@ -35,7 +36,7 @@ from terascale.offload.swap import SwapDirectory
 from terascale.zero.flat_group import FlatParamGroup, ShardState
 from terascale.zero.gather import owner_of, register_owner, unregister
 from terascale.zero.grads import GradPolicy, ShardedGrads
-from terascale.zero.host import return_freed_host_memory
+from terascale.zero.host import map_large_allocations, return_freed_host_memory
 from terascale.zero.masters import ShardedMasters
 from terascale.zero.schedule import ParamSchedule, SchedulePolicy
 from terascale.zero.wrap import GroupPlan, WrapPolicy, plan_groups
@@ -131,6 +132,8 @@ class ShardedState:
         # with parameter offload, goes to its tier before the next group exists. Masters
         # are made run by run from the shards (read back from NVMe where they went) and
         # go to the optimizer's tier before the next run's exist.
+        if "nvme" in (options.offload_param.device, options.offload_optimizer.device):
+            map_large_allocations()  # [Note: host memory with an NVMe tier]
         self.params = OffloadedParams(options.offload_param, dist.get_rank(group)) if options.offload_param.enabled else None
         self.groups: list[FlatParamGroup] = []
         for plan in self.plans:
@@ -167,6 +170,7 @@ class ShardedState:
             duplicate_group(group),
             options.grads,
             on_group_done=None if self.schedule is None else self.schedule.on_grads_done,
+            swapper=self._grad_swapper(options),
         )
 
     def _place_masters(self, tier: OptimizerOffload) -> tuple[ShardedMasters, OptimizerSwapper | None]:
@@ -203,6 +207,16 @@ class ShardedState:
         )  # fmt: skip
         return masters, swapper
 
+    def _grad_swapper(self, options: ZeroOptions) -> GradSwapper | None:
+        """Gradient shards on NVMe when the optimizer state is there (stages 2-3)."""
+        tier = options.offload_optimizer
+        if tier.device != "nvme" or not options.grads.reduce_every_micro_step:
+            return None
+        numel = [fg.layout.shard_numel if any(k >= 0 for k in plan.opt_group) else 0
+                 for plan, fg in zip(self.plans, self.groups)]  # fmt: skip
+        directory = SwapDirectory(tier.nvme_path, "grads", dist.get_rank())
+        return GradSwapper(numel, options.grads.dtype, directory, AsyncIO(tier.aio), pin_memory=tier.pin_memory)
+
     def _create_masters(self, masters: ShardedMasters, run: list[int], device: torch.device | None = None) -> None:
         """Make run ``run``'s masters from its parameter shards, read back if on NVMe."""
         groups = sorted({masters.pieces[i].group for i in run})
@@ -223,12 +237,15 @@ class ShardedState:
             self.schedule.post_backward()
 
     def grad_norm(self) -> torch.Tensor:
+        swapper = self.grads.swapper
+        if swapper is not None:  # norms taken as the shards went to disk; the norm of norms
+            return global_grad_norm([n.to(self.device) for n in swapper.norms if n is not None], self.group, device=self.device)
         pieces = self.masters.grad_pieces(self.grads.shards)
         return global_grad_norm(pieces, self.group, device=self.device)
 
     def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
         """Unscale/clip by ``multiplier``, step each sub-group, refresh persistent groups."""
-        pieces = self.masters.grad_pieces(self.grads.shards)
+        grads_of = self._run_grads()
         masters = self.masters.masters
         write = None if self.params is None else self.params.write_piece
         if self.params is not None:
@@ -237,6 +254,7 @@ class ShardedState:
         fused_host = self.options.offload_optimizer.enabled and host_adam.supports(optimizer)
 
         def step_run(run: list[int]) -> None:
+            pieces = dict(zip(run, grads_of(run)))
             if fused_host and all(masters[i].device.type == "cpu" for i in run):
                 # [Note: host Adam]: widen, step and narrow per cached chunk.
                 outs = [self._host_output(i, write) for i in run]
@@ -270,6 +288,31 @@ class ShardedState:
         if self.params is not None:
             self.params.finish_step()
         regathers.finish()
+
+    def _run_grads(self) -> Callable[[list[int]], list[torch.Tensor]]:
+        """``run -> its pieces' gradients``; from swap files, read one run ahead."""
+        swapper = self.grads.swapper
+        if swapper is None:
+            pieces = self.masters.grad_pieces(self.grads.shards)
+            return lambda run: [pieces[i] for i in run]
+        order = {tuple(run): k for k, run in enumerate(self.masters.runs)}
+        reads: dict[int, tuple] = {}
+
+        def start(k: int) -> None:
+            if k < len(self.masters.runs) and k not in reads:
+                ranges = [(p.group, p.lo, p.hi) for p in (self.masters.pieces[i] for i in self.masters.runs[k])]
+                reads[k] = swapper.read_pieces(ranges)
+
+        def grads_of(run: list[int]) -> list[torch.Tensor]:
+            k = order[tuple(run)]
+            start(k)
+            start(k + 1)
+            tensors, handles = reads.pop(k)
+            for h in handles:
+                h.wait()
+            return tensors
+
+        return grads_of
 
     def _host_output(self, i: int, write: object) -> torch.Tensor | None:
         """Piece ``i``'s slice of its parameter shard, if the host step can write it directly."""
@@ -337,7 +380,7 @@ class ShardedState:
                 params += fg.shard.numel() * size  # 0 while offloaded to NVMe
                 if fg.state is not ShardState.SHARDED:
                     gathered += fg.layout.padded_numel * size
-        tiers = [t for t in (self.swapper, self.params) if t is not None]
+        tiers = [t for t in (self.swapper, self.params, self.grads.swapper) if t is not None]
         return {
             "params": params,
             "gathered_params": gathered,
@@ -350,7 +393,8 @@ class ShardedState:
 
     def offload_io(self) -> dict[str, int]:
         """Bytes read from and written to this rank's swap files since construction."""
-        engines = [t.aio for t in (self.swapper, self.params) if t is not None and t.aio is not None]
+        tiers = (self.swapper, self.params, self.grads.swapper)
+        engines = [t.aio for t in tiers if t is not None and t.aio is not None]
         return {"read": sum(a.bytes_read for a in engines), "written": sum(a.bytes_written for a in engines)}
 
     # -- GatheredParameters (see [Note: owner table]) ------------------------------------------

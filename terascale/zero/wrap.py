@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from terascale.zero.gather import full_numel
+
 
 @dataclass(frozen=True)
 class WrapPolicy:
@@ -55,7 +57,7 @@ class GroupPlan:
 
     @property
     def numel(self) -> int:
-        return sum(p.numel() for p in self.params)
+        return sum(full_numel(p) for p in self.params)
 
 
 def _repeated_block_classes(root: nn.Module) -> tuple[type[nn.Module], ...]:
@@ -75,7 +77,7 @@ def wrapped_modules(root: nn.Module, policy: WrapPolicy) -> dict[str, nn.Module]
     for name, m in root.named_modules():
         if id(m) in seen or not isinstance(m, classes):
             continue
-        if sum(p.numel() for p in m.parameters()) < max(policy.min_params, 1):
+        if sum(full_numel(p) for p in m.parameters()) < max(policy.min_params, 1):
             continue
         seen.add(id(m))
         out[name] = m
@@ -123,7 +125,7 @@ def plan_groups(
     members: dict[str, list[int]] = {name: [] for name in wrapped}
     small: list[int] = []
     for pid, names in occurrences.items():
-        if shard_params and params[pid].numel() < persistence_threshold:
+        if shard_params and full_numel(params[pid]) < persistence_threshold:
             small.append(pid)
         else:
             members[_owner(names, wrapped)].append(pid)
