@@ -68,6 +68,9 @@ def _config(args: argparse.Namespace, nvme: str) -> dict:
         "zero_optimization": {
             "stage": 3,
             "sub_group_size": args.sub_group_size,
+            # Free each block after its forward (it is fetched again for backward): the
+            # working set stays a few blocks, not the whole model.
+            "stage3_max_reuse_distance": 0,
             "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_count": args.param_buffers,
                               "buffer_size": 1_000_000_000, "max_in_cpu": 0},
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": args.opt_buffers},
