@@ -19,10 +19,13 @@ BUDGET = 128 * 2**20
 
 
 def _config(path: str | None) -> dict:
-    # Blocks are freed after their forward (max_reuse_distance 0): with the default, all
-    # gathered blocks would stay for backward, a working set as large as the parameters.
+    # The working set is set by the stage-3 knobs: blocks are freed after their forward
+    # (max_reuse_distance 0; by default all would stay for backward) and at most two are
+    # gathered ahead and two blocks' gradients reduced at once (the default prefetch and
+    # reduce buckets, 50M and 500M elements, each hold this whole model).
     zero = {"stage": 3, "sub_group_size": 1 << 18, "stage3_param_persistence_threshold": 0,
-            "stage3_max_reuse_distance": 0}
+            "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 2 * WIDTH * WIDTH,
+            "reduce_bucket_size": 2 * WIDTH * WIDTH}
     if path is not None:
         zero["offload_param"] = {"device": "nvme", "nvme_path": path, "max_in_cpu": 0, "buffer_count": 3}
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": path, "buffer_count": 3}

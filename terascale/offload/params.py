@@ -57,6 +57,7 @@ class OffloadedParams:
         self.state: dict[int, Residency] = {}
         self._pending: dict[int, tuple[torch.Tensor, IoHandle]] = {}
         self._writes: list[tuple[torch.Tensor, IoHandle]] = []
+        self._staged_nbytes = 0
         self.fetches = 0  # reads issued (for tests and reports)
         self.fetches_ahead = 0  # of which started ahead of the gather that needed them
         self._pin = policy.pin_memory and torch.cuda.is_available()
@@ -163,9 +164,16 @@ class OffloadedParams:
         assert self.state[g] is Residency.OFFLOADED, f"write to group {g} while {self.state[g]}"
         staged = values.detach().to(device="cpu", dtype=fg.dtype).contiguous()
         self._writes.append((staged, self.aio.write(staged, self._file(g), lo * fg.dtype.itemsize)))
+        # Writes in flight hold their staged copies: at most the pool's bytes of them.
+        self._staged_nbytes += staged.nbytes
+        while len(self._writes) > 1 and self._staged_nbytes > self.pool.count * self.pool.nbytes:
+            done, handle = self._writes.pop(0)
+            handle.wait()
+            self._staged_nbytes -= done.nbytes
 
     def _drain_writes(self) -> None:
         writes, self._writes = self._writes, []
+        self._staged_nbytes = 0
         for _, handle in writes:
             handle.wait()
 

@@ -150,17 +150,26 @@ class ParamSchedule:
     def _prefetch(self) -> None:
         live = self._live_numel()
         budget = self.policy.prefetch_numel
-        issued = 0
+        # Groups ahead that are already gathered or in flight count against the bucket, so
+        # the window of prefetched elements slides along the trace instead of growing.
+        ahead = 0
+        seen: set[int] = set()
         for g in self.trace[self._cursor :]:
+            if g in seen or not self._dynamic[g]:
+                continue
+            seen.add(g)
             fg = self.groups[g]
             if fg.state is not ShardState.SHARDED:
+                ahead += fg.numel
+                if ahead >= budget:
+                    break
                 continue
-            if issued + fg.numel > budget or live + fg.numel > self.policy.max_live_numel:
+            if ahead + fg.numel > budget or live + fg.numel > self.policy.max_live_numel:
                 break
             fg.unshard(async_op=True)
             self.gathers += 1
             self.prefetches += 1
-            issued += fg.numel
+            ahead += fg.numel
             live += fg.numel
         if self._fetch is not None:
             # Reads from NVMe run further ahead than gathers: as far as free buffers allow.
