@@ -3,7 +3,7 @@
 A 41.9M-parameter model has 671 MB of model states (bf16 parameters and gradients, fp32
 masters and two Adam moments: 16 bytes per parameter). Built inside ``zero.Init``
 straight to NVMe and trained with parameters, gradients and optimizer state there, the
-process's peak RSS grows by less than a 128 MiB budget (the states are 5x that);
+process's peak RSS grows by less than a 64 MiB budget (the states are 10x that);
 the same model without offload grows by more than the states, so the measurement sees
 them.
 """
@@ -15,7 +15,7 @@ import torch
 from distributed import run_ranks
 
 LAYERS, WIDTH = 40, 1024
-BUDGET = 128 * 2**20
+BUDGET = 64 * 2**20
 
 
 def _config(path: str | None) -> dict:
@@ -52,6 +52,14 @@ def _train_rank(path: str | None) -> dict:
 
     init_distributed()
     proc = psutil.Process()
+    config = _config(path)
+    # Warm up on a one-layer model: imports, I/O threads and gloo's buffers are a fixed
+    # cost of the process, not of the model, and stay out of the measured growth.
+    warm, *_ = terascale.initialize(model=nn.Linear(WIDTH, WIDTH, bias=False), config=config)
+    warm.backward(warm(torch.randn(2, WIDTH).bfloat16()).float().square().mean())
+    warm.step()
+    warm.destroy()
+    del warm
     torch.manual_seed(0)
     x = torch.randn(2, WIDTH)
     start = proc.memory_info().rss
@@ -65,7 +73,6 @@ def _train_rank(path: str | None) -> dict:
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    config = _config(path)
     with Init(config=config):
         model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)))
     engine, *_ = terascale.initialize(model=model, config=config)
@@ -82,10 +89,10 @@ def _train_rank(path: str | None) -> dict:
     return {"growth": peak[0] - start, "mem": mem, "losses": losses}
 
 
-def test_offloaded_training_stays_within_a_memory_budget_a_fifth_of_its_states(tmp_path):
+def test_offloaded_training_stays_within_a_memory_budget_a_tenth_of_its_states(tmp_path):
     params = LAYERS * WIDTH * WIDTH
     states = 16 * params
-    assert states >= 5 * BUDGET
+    assert states >= 10 * BUDGET
     (offloaded,) = run_ranks(_train_rank, 1, str(tmp_path), timeout=600)
     (plain,) = run_ranks(_train_rank, 1, None, timeout=600)
     print(f"peak RSS growth: offloaded {offloaded['growth'] / 2**20:.0f} MiB, in memory "
