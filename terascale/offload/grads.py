@@ -15,14 +15,13 @@ their byte ranges) one run ahead of the run being updated (:meth:`GradSwapper.pi
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from terascale.offload.aio import AsyncIO, IoHandle
-from terascale.offload.swap import BufferPool, SwapDirectory
+from terascale.offload.swap import BufferPool, SwapDirectory, WriteBehind
 
 
 class GradSwapper:
@@ -44,11 +43,11 @@ class GradSwapper:
         self.aio = aio
         self.pool = BufferPool(max(1, buffer_count), pin_memory=pin_memory)
         self.pool.reserve(max(self.shard_numel, default=1) * dtype.itemsize)
+        self.writes = WriteBehind(self.pool, aio)
         directory.require_free(sum(self.shard_numel) * dtype.itemsize, "gradient shards (offload_optimizer)")
         self.norms: list[torch.Tensor | None] = [None] * len(self.shard_numel)  # set on the window's last micro-step
         self._stored = [False] * len(self.shard_numel)
         self._on_disk = [False] * len(self.shard_numel)  # files written at least once
-        self._writes: deque[tuple[torch.Tensor, IoHandle]] = deque()
 
     def _file(self, g: int) -> Path:
         return self.directory.file(f"grad{g}")
@@ -59,27 +58,22 @@ class GradSwapper:
     def store(self, g: int, reduced: torch.Tensor, last_micro_step: bool) -> None:
         """Add ``reduced`` (group ``g``'s reduced shard of this micro-step) to the window's
         gradient in the file; ``reduced`` may be reused as soon as this returns."""
-        while not self.pool.available():
-            self._finish_oldest_write()
-        buf = self.pool.acquire()
+        buf = self.writes.acquire()
         shard = buf[: self.shard_numel[g] * self.dtype.itemsize].view(self.dtype)
         if self._stored[g]:
-            self._drain_writes()  # the file must hold the previous micro-step's sum
+            self.writes.drain()  # the file must hold the previous micro-step's sum
             self.aio.sync_read(shard, self._file(g))
             shard.add_(reduced)
         else:
             shard.copy_(reduced)
         if last_micro_step:
             self.norms[g] = torch.linalg.vector_norm(shard, dtype=torch.float32)
-        self._writes.append((buf, self.aio.write(shard, self._file(g))))
+        self.writes.write(buf, shard, self._file(g))
         self._stored[g] = self._on_disk[g] = True
-
-    def has(self, g: int) -> bool:
-        return self._stored[g]
 
     def zero_(self) -> None:
         """Forget the window's gradients (the files are overwritten by the next window)."""
-        self._drain_writes()
+        self.writes.drain()
         self._stored = [False] * len(self.shard_numel)
         self.norms = [None] * len(self.shard_numel)
 
@@ -87,7 +81,7 @@ class GradSwapper:
 
     def read_pieces(self, pieces: Sequence[tuple[int, int, int]]) -> tuple[list[torch.Tensor], list[IoHandle]]:
         """Start reading elements ``[lo, hi)`` of group ``g``'s shard for each ``(g, lo, hi)``."""
-        self._drain_writes()
+        self.writes.drain()
         out, handles = [], []
         for g, lo, hi in pieces:
             assert self._stored[g], f"group {g} has no gradient in this window"
@@ -96,16 +90,7 @@ class GradSwapper:
             out.append(t)
         return out, handles
 
-    # -- I/O bookkeeping -----------------------------------------------------------------------
-
-    def _finish_oldest_write(self) -> None:
-        buf, handle = self._writes.popleft()
-        handle.wait()  # raises a failed write here
-        self.pool.release(buf)
-
-    def _drain_writes(self) -> None:
-        while self._writes:
-            self._finish_oldest_write()
+    # -- accounting and teardown --------------------------------------------------------------
 
     def nbytes_on_disk(self) -> int:
         return sum(n * self.dtype.itemsize for n, s in zip(self.shard_numel, self._on_disk) if s)
@@ -115,7 +100,7 @@ class GradSwapper:
 
     def close(self) -> None:
         try:
-            self._drain_writes()
+            self.writes.drain()
             self.aio.close()
         finally:
             self.directory.remove()

@@ -24,7 +24,6 @@ array) the aggregate bandwidth grows with the ranks.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from terascale.offload.aio import AsyncIO, IoHandle
-from terascale.offload.swap import BufferPool, SwapDirectory, round_up
+from terascale.offload.swap import BufferPool, SwapDirectory, WriteBehind, round_up
 
 if TYPE_CHECKING:
     from terascale.zero.masters import ShardedMasters
@@ -92,24 +91,24 @@ class OptimizerSwapper:
         self.directory = directory
         self.aio = aio
         self.pool = BufferPool(max(1, buffer_count), pin_memory=pin_memory)
+        self.writes = WriteBehind(self.pool, aio)
         self._layouts: list[list[_Segment]] = []
         self._nbytes: list[int] = []
         # Masters (4 bytes) plus Adam's two moments (8): what the files will grow to.
         numel = sum(masters.pieces[i].hi - masters.pieces[i].lo for run in self.runs for i in run)
         directory.require_free(3 * numel * masters.dtype.itemsize, "offload_optimizer (masters and Adam state)")
-        self._writes: deque[tuple[torch.Tensor, IoHandle]] = deque()
         for k, run in enumerate(self.runs):
             (create_run or masters.create_run)(run)
             segments, nbytes = _layout([(i, _MASTER, masters.masters[i].data) for i in run])
             self._layouts.append(segments)
             self._nbytes.append(nbytes)
             self.pool.reserve(nbytes)
-            buf = self._acquire()
+            buf = self.writes.acquire()
             for seg in segments:
                 seg.view(buf).copy_(masters.masters[seg.piece].data)
             self._write(k, buf)
             self._unbind(k, None)
-        self._drain_writes()
+        self.writes.drain()
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -122,8 +121,8 @@ class OptimizerSwapper:
         reads: dict[int, tuple[torch.Tensor, IoHandle]] = {}
         for k, run in enumerate(self.runs):
             if k not in reads:
-                reads[k] = self._read(k, self._acquire())
-            if k + 1 < len(self.runs) and self._buffer_free_now():
+                reads[k] = self._read(k, self.writes.acquire())
+            if k + 1 < len(self.runs) and self.writes.available_now():
                 reads[k + 1] = self._read(k + 1, self.pool.acquire())
             buf, handle = reads.pop(k)
             handle.wait()
@@ -131,7 +130,7 @@ class OptimizerSwapper:
             step_run(run)
             self._write(k, self._relayout(k, buf, optimizer))
             self._unbind(k, optimizer)
-        self._drain_writes()
+        self.writes.drain()
 
     @contextmanager
     def resident(self, write_back: bool) -> Iterator[None]:
@@ -157,30 +156,11 @@ class OptimizerSwapper:
     def _file(self, k: int) -> Path:
         return self.directory.file(f"run{k}")
 
-    def _finish_oldest_write(self) -> None:
-        buf, handle = self._writes.popleft()
-        handle.wait()  # raises a failed write here
-        self.pool.release(buf)
-
-    def _acquire(self) -> torch.Tensor:
-        while not self.pool.available():
-            self._finish_oldest_write()
-        return self.pool.acquire()
-
-    def _buffer_free_now(self) -> bool:
-        while self._writes and self._writes[0][1].done():
-            self._finish_oldest_write()
-        return self.pool.available()
-
     def _read(self, k: int, buf: torch.Tensor) -> tuple[torch.Tensor, IoHandle]:
         return buf, self.aio.read(buf[: self._nbytes[k]], self._file(k))
 
     def _write(self, k: int, buf: torch.Tensor) -> None:
-        self._writes.append((buf, self.aio.write(buf[: self._nbytes[k]], self._file(k))))
-
-    def _drain_writes(self) -> None:
-        while self._writes:
-            self._finish_oldest_write()
+        self.writes.write(buf, buf[: self._nbytes[k]], self._file(k))
 
     # -- binding tensors to buffers ------------------------------------------------------------
 
@@ -218,7 +198,7 @@ class OptimizerSwapper:
         values = [t.clone() if key == _MASTER else t for _, key, t in entries]
         self.pool.release(buf)
         self.pool.reserve(nbytes)
-        fresh = self._acquire()
+        fresh = self.writes.acquire()
         for seg, value in zip(segments, values):
             seg.view(fresh).copy_(value)
         self._layouts[k], self._nbytes[k] = segments, nbytes
@@ -231,7 +211,7 @@ class OptimizerSwapper:
     def close(self) -> None:
         """Finish I/O, stop the I/O threads and delete this rank's swap files."""
         try:
-            self._drain_writes()
+            self.writes.drain()
             self.aio.close()
         finally:
             self.directory.remove()

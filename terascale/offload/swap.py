@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections import deque
 from pathlib import Path
 
 import torch
 
-from terascale.offload.aio import ALIGNMENT, aligned_empty
+from terascale.offload.aio import ALIGNMENT, AsyncIO, IoHandle, aligned_empty
 
 
 def round_up(nbytes: int, multiple: int = ALIGNMENT) -> int:
@@ -91,3 +92,40 @@ class BufferPool:
 
     def nbytes_held(self) -> int:
         return (len(self._free) + self._out) * self.nbytes
+
+
+class WriteBehind:
+    """Writes from ``pool``'s buffers that finish in the background: a buffer returns to
+    the pool only once its write has finished, so the pool bounds the bytes in flight."""
+
+    def __init__(self, pool: BufferPool, aio: AsyncIO) -> None:
+        self.pool = pool
+        self.aio = aio
+        self._writes: deque[tuple[torch.Tensor, IoHandle]] = deque()
+
+    def acquire(self) -> torch.Tensor:
+        """A pool buffer, waiting for the oldest writes to finish while none is free."""
+        while not self.pool.available():
+            self._finish_oldest()
+        return self.pool.acquire()
+
+    def available_now(self) -> bool:
+        """Whether a buffer is free without waiting (finished writes give theirs back)."""
+        while self._writes and self._writes[0][1].done():
+            self._finish_oldest()
+        return self.pool.available()
+
+    def write(self, buf: torch.Tensor, data: torch.Tensor, path: str | os.PathLike) -> None:
+        """Start writing ``data`` (a view of pool buffer ``buf``) to ``path``; ``buf`` goes
+        back to the pool when the write has finished."""
+        self._writes.append((buf, self.aio.write(data, path)))
+
+    def drain(self) -> None:
+        """Wait for every write (raising a failed one's error)."""
+        while self._writes:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        buf, handle = self._writes.popleft()
+        handle.wait()  # raises a failed write here
+        self.pool.release(buf)

@@ -295,7 +295,7 @@ class ShardedState:
         if swapper is None:
             pieces = self.masters.grad_pieces(self.grads.shards)
             return lambda run: [pieces[i] for i in run]
-        order = {tuple(run): k for k, run in enumerate(self.masters.runs)}
+        index = {run[0]: k for k, run in enumerate(self.masters.runs)}  # runs are disjoint
         reads: dict[int, tuple] = {}
 
         def start(k: int) -> None:
@@ -304,7 +304,7 @@ class ShardedState:
                 reads[k] = swapper.read_pieces(ranges)
 
         def grads_of(run: list[int]) -> list[torch.Tensor]:
-            k = order[tuple(run)]
+            k = index[run[0]]
             start(k)
             start(k + 1)
             tensors, handles = reads.pop(k)
