@@ -71,6 +71,10 @@ def _config(args: argparse.Namespace, nvme: str) -> dict:
             # Free each block after its forward (it is fetched again for backward): the
             # working set stays a few blocks, not the whole model.
             "stage3_max_reuse_distance": 0,
+            # The sizes Hugging Face's "auto" gives for this width: each block's gradient
+            # is reduced (and swapped out) alone, one block is fetched ahead.
+            "reduce_bucket_size": args.width * args.width,
+            "stage3_prefetch_bucket_size": int(0.9 * args.width * args.width),
             "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_count": args.param_buffers,
                               "buffer_size": 1_000_000_000, "max_in_cpu": 0},
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": args.opt_buffers},
@@ -93,6 +97,7 @@ def worker(args: argparse.Namespace) -> None:
     import terascale
     from gpt import GPT, GPTConfig
     from terascale.zero import Init
+    from terascale.zero.gather import full_numel
 
     torch.set_num_threads(args.threads)
     proc = psutil.Process()
@@ -104,6 +109,15 @@ def worker(args: argparse.Namespace) -> None:
         while not done.is_set():
             peak[0] = max(peak[0], proc.memory_info().rss)
             done.wait(0.02)
+
+    def phase_peak() -> int:
+        """The peak RSS since the last call (sampled), and restart the watch."""
+        high = max(peak[0], proc.memory_info().rss)
+        phases.append(high)
+        peak[0] = proc.memory_info().rss
+        return high
+
+    phases: list[int] = []
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -117,9 +131,13 @@ def worker(args: argparse.Namespace) -> None:
         torch.manual_seed(0)
         model = GPT(cfg)
     built = time.perf_counter() - t0
+    # Full sizes: a parameter zero.Init partitioned has numel() 0 on every rank.
+    params = sum(full_numel(p) for p in model.parameters())
     engine, *_ = terascale.initialize(model=model, config=config)
     construct = time.perf_counter() - t0
-    params = model.num_parameters()
+    construct_peak = phase_peak()
+    print(f"rank {dist.get_rank()}: {params:,} params built in {construct:.0f} s, peak RSS "
+          f"{construct_peak / 2**30:.2f} GiB", file=sys.stderr, flush=True)
     gen = torch.Generator().manual_seed(dist.get_rank())
     steps = []
     for _ in range(args.steps):
@@ -129,21 +147,24 @@ def worker(args: argparse.Namespace) -> None:
         loss = engine(x, x)
         engine.backward(loss)
         t_fb = time.perf_counter()
+        peak_fb = phase_peak()
         engine.step()
         t_end = time.perf_counter()
+        peak_step = phase_peak()
         io1 = engine.offload_io()
         steps.append({
             "time": t_end - t, "fwd_bwd": t_fb - t, "step": t_end - t_fb, "loss": loss.item(),
             "read": io1["read"] - io0["read"], "written": io1["written"] - io0["written"],
-            "rss": proc.memory_info().rss,
+            "rss": proc.memory_info().rss, "peak_fwd_bwd": peak_fb, "peak_step": peak_step,
         })  # fmt: skip
-        print(f"rank {dist.get_rank()} step {len(steps)}: {steps[-1]['time']:.1f} s, loss {loss.item():.4f}",
-              file=sys.stderr, flush=True)
+        print(f"rank {dist.get_rank()} step {len(steps)}: {steps[-1]['time']:.1f} s "
+              f"(fwd+bwd {t_fb - t:.1f}), loss {loss.item():.4f}, peak RSS GiB fwd+bwd "
+              f"{peak_fb / 2**30:.2f} step {peak_step / 2**30:.2f}", file=sys.stderr, flush=True)
     mem = engine.memory_breakdown()
     engine.destroy()
     done.set()
     sampler.join()
-    peak[0] = max(peak[0], proc.memory_info().rss)
+    peak[0] = max([peak[0], proc.memory_info().rss, *phases])
     # ru_maxrss catches peaks between samples (it counts from process start, imports included).
     import resource
 
@@ -151,6 +172,7 @@ def worker(args: argparse.Namespace) -> None:
     out = {
         "rank": dist.get_rank(), "params": params, "construct_s": construct, "build_s": built,
         "steps": steps, "nvme_bytes": mem["nvme"], "start_rss": start_rss, "peak_rss": peak_rss,
+        "construct_peak": construct_peak,
         "swap_left": sorted(str(p) for p in Path(nvme).rglob("*.swp")),
     }  # fmt: skip
     results = [None] * dist.get_world_size()

@@ -44,14 +44,19 @@ def _swap_rank(path: str) -> dict:
     }
     engine, *_ = terascale.initialize(model=model, config=config)
     x = torch.randn(4, 64, dtype=torch.bfloat16)
+    read_in_backward = []
     for _ in range(3):
-        engine.backward(engine(x).float().square().mean())
+        loss = engine(x).float().square().mean()
+        engine._state.swapper.writes.drain()  # the step's last writes (they finish under forward)
+        before = engine.offload_io()["read"]
+        engine.backward(loss)
+        read_in_backward.append(engine.offload_io()["read"] - before)
         engine.step()
     mem = engine.memory_breakdown()
     files = sorted(p.name for p in engine._state.swapper.directory.path.glob("*.swp"))
     grad_files = sorted(p.name for p in engine._state.grads.swapper.directory.path.glob("*.swp"))
     engine.destroy()
-    return {"mem": mem, "files": files, "grad_files": grad_files}
+    return {"mem": mem, "files": files, "grad_files": grad_files, "read_in_backward": read_in_backward}
 
 
 def test_between_steps_the_optimizer_state_is_only_on_disk(tmp_path):
@@ -67,6 +72,12 @@ def test_between_steps_the_optimizer_state_is_only_on_disk(tmp_path):
         assert got["grad_files"] == [f"grad{g}.swp" for g in range(4)]  # one per layer
         # Two optimizer buffers of a run, two of a 2048-element bf16 gradient shard.
         assert 0 < mem["offload_buffers"] <= 2 * 12 * 4096 + 2 * 4096
+        # Backward writes gradient shards and reads nothing of its own (one micro-step):
+        # what it reads is the optimizer's first runs, read ahead of the step. Before
+        # the first step they hold masters only (4 bytes an element), after it masters
+        # and moments (12); both runs fit the two buffers.
+        assert got["read_in_backward"][0] == 2 * 4 * 4096
+        assert got["read_in_backward"][1:] == [2 * 12 * 4096] * 2
     assert not any((tmp_path / "terascale_swap").rglob("*.swp"))
 
 

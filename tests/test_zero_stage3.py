@@ -310,3 +310,34 @@ def test_save_16bit_model_gathers_stage3_weights(tmp_path):
     for k, v in weights.items():
         assert v.dtype == torch.bfloat16 and v.shape == r0["state"][k].shape
         assert torch.equal(v, r0["state"][k].bfloat16())
+
+
+def _held_gradients_rank() -> int:
+    import terascale
+
+    model = make_model()
+    model.rare.requires_grad_(False)  # an unused branch would hold up the order too (see the note there)
+    # Biases and the norm fall below the threshold: a persistent group of small parameters
+    # from every layer, whose last gradient (inp.bias) arrives at the end of backward.
+    config = _config(stage3_param_persistence_threshold=100, reduce_bucket_size=1)
+    engine, *_ = terascale.initialize(model=model, config=config, wrap_policy=_linear_groups())
+    grads = engine._state.grads
+    assert any(fg.persistent for fg in engine._state.groups)
+    held = []
+
+    def count(_p) -> None:
+        held.append(sum(t is not None for t in grads._flat))
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(count)
+    _train(engine, 2)
+    engine.destroy()
+    return max(held)
+
+
+def test_backward_reduces_each_group_when_done_not_when_the_persistent_group_is():
+    # Launching in plain reverse-group order would wait for the persistent group (last in
+    # the plan, done last) and hold every layer's gradient buffer until the end.
+    for held in run_ranks(_held_gradients_rank, 2):
+        assert held <= 2

@@ -91,12 +91,44 @@ def compute_dtype(param_dtype: torch.dtype, device: torch.device) -> torch.dtype
     return param_dtype if native else torch.float32
 
 
+class _WidenedLinear(torch.autograd.Function):
+    """``F.linear(x, weight.to(x.dtype), bias.to(x.dtype))`` that keeps ``weight`` for
+    backward as it is stored, not its widened copy.
+
+    Plain autograd would save the cast weight: with bf16 parameters computed in fp32
+    that is an fp32 copy of every weight of the model held from forward to backward
+    (2x the parameters' bytes, 16 GB at 4B parameters), which ZeRO-3 cannot free
+    because it is not a parameter. Saving the parameter itself lets ZeRO-3 free it after
+    forward and gather it again for backward; backward casts it once more.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad @ weight.to(grad.dtype)
+        rows = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[1]:
+            grad_w = (rows.t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_b = rows.sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` that computes in its input's dtype (parameters are cast to it)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.weight.to(x.dtype), bias)
+        if self.weight.dtype == x.dtype:
+            return F.linear(x, self.weight, self.bias)
+        return _WidenedLinear.apply(x, self.weight, self.bias)
 
 
 class LayerNorm(nn.LayerNorm):

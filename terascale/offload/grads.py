@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from terascale.comm.collectives import l2_norm
 from terascale.offload.aio import AsyncIO, IoHandle
 from terascale.offload.swap import BufferPool, SwapDirectory, WriteBehind
 
@@ -67,7 +68,7 @@ class GradSwapper:
         else:
             shard.copy_(reduced)
         if last_micro_step:
-            self.norms[g] = torch.linalg.vector_norm(shard, dtype=torch.float32)
+            self.norms[g] = l2_norm(shard)
         self.writes.write(buf, shard, self._file(g))
         self._stored[g] = self._on_disk[g] = True
 

@@ -18,6 +18,13 @@ memory stays at ``buffer_count`` runs however large the model. The optimizer sta
 does not exist before the first step: that step steps each run with the optimizer's
 fresh state in ordinary memory, lays the file out again with it, and writes it once.
 
+The pipeline also reaches past the step, so that the disk keeps working while the
+model computes: the step returns with its last writes still in flight (they finish
+under the next forward; a read of a file first waits for its pending write), and
+:meth:`prefetch`, called when the backward before a step begins, reads the first runs
+into the free buffers under that backward. :meth:`flush` (before anything reads the
+files otherwise, and at close) waits for both.
+
 Each rank reads and writes only its own runs, so with one disk per rank (or one fast
 array) the aggregate bandwidth grows with the ranks.
 """
@@ -92,6 +99,7 @@ class OptimizerSwapper:
         self.aio = aio
         self.pool = BufferPool(max(1, buffer_count), pin_memory=pin_memory)
         self.writes = WriteBehind(self.pool, aio)
+        self._reads: dict[int, tuple[torch.Tensor, IoHandle]] = {}  # run -> read in flight
         self._layouts: list[list[_Segment]] = []
         self._nbytes: list[int] = []
         # Masters (4 bytes) plus Adam's two moments (8): what the files will grow to.
@@ -112,30 +120,49 @@ class OptimizerSwapper:
 
     # -- the step ------------------------------------------------------------------------------
 
+    def prefetch(self) -> None:
+        """Start reading the first runs into the buffers free now (none if none is)."""
+        for k in range(len(self.runs)):
+            if k in self._reads:
+                continue
+            if not self.writes.available_now():
+                return
+            self._read(k, self.pool.acquire())
+
     def step(self, optimizer: torch.optim.Optimizer, step_run: Callable[[list[int]], None]) -> None:
         """Call ``step_run(run)`` for every run with its masters and state swapped in.
 
         Reads run ahead of the step and writes behind it within the buffer pool; returns
-        when every write has finished (so the files are whole).
+        with the last writes in flight (see :meth:`flush`).
         """
-        reads: dict[int, tuple[torch.Tensor, IoHandle]] = {}
         for k, run in enumerate(self.runs):
-            if k not in reads:
-                reads[k] = self._read(k, self.writes.acquire())
-            if k + 1 < len(self.runs) and self.writes.available_now():
-                reads[k + 1] = self._read(k + 1, self.pool.acquire())
-            buf, handle = reads.pop(k)
+            if k not in self._reads:
+                self._read(k, self.writes.acquire())
+            if k + 1 < len(self.runs) and k + 1 not in self._reads and self.writes.available_now():
+                self._read(k + 1, self.pool.acquire())
+            buf, handle = self._reads.pop(k)
             handle.wait()
             self._bind(k, buf, optimizer)
             step_run(run)
             self._write(k, self._relayout(k, buf, optimizer))
             self._unbind(k, optimizer)
-        self.writes.drain()
+
+    def flush(self) -> None:
+        """Finish every write and drop every read ahead: the files are whole and no
+        buffer is held."""
+        try:
+            self.writes.drain()
+        finally:
+            for buf, handle in self._reads.values():
+                handle.wait()
+                self.pool.release(buf)
+            self._reads.clear()
 
     @contextmanager
     def resident(self, write_back: bool) -> Iterator[None]:
         """Swap every run's masters in (not the optimizer state) for reading, or modifying
         with ``write_back``."""
+        self.flush()
         bufs = []
         try:
             for k in range(len(self.runs)):
@@ -156,8 +183,9 @@ class OptimizerSwapper:
     def _file(self, k: int) -> Path:
         return self.directory.file(f"run{k}")
 
-    def _read(self, k: int, buf: torch.Tensor) -> tuple[torch.Tensor, IoHandle]:
-        return buf, self.aio.read(buf[: self._nbytes[k]], self._file(k))
+    def _read(self, k: int, buf: torch.Tensor) -> None:
+        self.writes.finish_writes_to(self._file(k))  # the step before may still write it
+        self._reads[k] = (buf, self.aio.read(buf[: self._nbytes[k]], self._file(k)))
 
     def _write(self, k: int, buf: torch.Tensor) -> None:
         self.writes.write(buf, buf[: self._nbytes[k]], self._file(k))
@@ -211,7 +239,7 @@ class OptimizerSwapper:
     def close(self) -> None:
         """Finish I/O, stop the I/O threads and delete this rank's swap files."""
         try:
-            self.writes.drain()
+            self.flush()
             self.aio.close()
         finally:
             self.directory.remove()

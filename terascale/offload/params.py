@@ -13,8 +13,10 @@ shards of the non-persistent groups live on a tier between those moments:
   (see [Note: gather schedule]); the gather copies it into the full buffer and the buffer
   goes back to the pool at once. The optimizer step writes each updated piece of a shard
   straight into its file (the file holds the shard's bytes at their offsets; padding and
-  frozen elements never change), so a step never reads shards back. The first groups, up
-  to ``max_in_cpu`` elements, stay in host memory and have no file.
+  frozen elements never change), so a step never reads shards back. The step stages
+  those pieces in the same pool buffers (no fetch holds one during the step), so the
+  step adds no host memory of its own. The first groups, up to ``max_in_cpu``
+  elements, stay in host memory and have no file.
 
 Each group's shard is in one of three residency states: RESIDENT (``fg.shard`` holds the
 values), FETCHING (a read into a pool buffer is in flight) or OFFLOADED (only the file
@@ -34,7 +36,7 @@ import torch
 
 from terascale.offload.aio import AsyncIO, IoHandle
 from terascale.offload.policy import ParamOffload
-from terascale.offload.swap import BufferPool, SwapDirectory
+from terascale.offload.swap import BufferPool, SwapDirectory, WriteBehind
 
 if TYPE_CHECKING:
     from terascale.zero.flat_group import FlatParamGroup
@@ -56,20 +58,19 @@ class OffloadedParams:
         self.policy = policy
         self.state: dict[int, Residency] = {}
         self._pending: dict[int, tuple[torch.Tensor, IoHandle]] = {}
-        self._writes: list[tuple[torch.Tensor, IoHandle]] = []
-        self._staged_nbytes = 0
         self.fetches = 0  # reads issued (for tests and reports)
         self.fetches_ahead = 0  # of which started ahead of the gather that needed them
         self._pin = policy.pin_memory and torch.cuda.is_available()
         self._kept_numel = 0  # elements of shards kept in host memory under max_in_cpu
         self._disk_nbytes = 0
         if policy.device == "cpu":
-            self.directory = self.aio = self.pool = None
+            self.directory = self.aio = self.pool = self.writes = None
             return
         self.directory = SwapDirectory(policy.nvme_path, "params", rank)
         self.aio = AsyncIO(policy.aio)
         # Buffers as large as the largest shard, not buffer_size: that is all a fetch needs.
         self.pool = BufferPool(max(2, policy.buffer_count), pin_memory=self._pin)
+        self.writes = WriteBehind(self.pool, self.aio)  # the step's piece writes
 
     def add(self, fg: FlatParamGroup, offload: bool) -> None:
         """Take group ``fg`` (the next group in order) onto the tier if ``offload``; on
@@ -139,14 +140,15 @@ class OffloadedParams:
 
     def _start_read(self, g: int) -> None:
         fg = self.groups[g]
-        self._drain_writes()  # a read must see the step's writes
         buf = self.pool.acquire()
         self._pending[g] = (buf, self.aio.read(buf[: _shard_nbytes(fg)], self._file(g)))
         self.state[g] = Residency.FETCHING
         self.fetches += 1
 
     def _spare_buffers(self, n: int, wait: bool = False) -> bool:
-        # Only fetches hold pool buffers: each is released when its gather has copied it.
+        # A read must see the step's writes, which also give their buffers back. Then
+        # only fetches hold pool buffers: each is released when its gather has copied it.
+        self._drain_writes()
         if self.pool.free() >= n:
             return True
         assert not wait, "every parameter buffer is held by a fetch; raise offload_param.buffer_count"
@@ -162,20 +164,17 @@ class OffloadedParams:
             fg.shard[lo : lo + values.numel()].copy_(values)
             return
         assert self.state[g] is Residency.OFFLOADED, f"write to group {g} while {self.state[g]}"
-        staged = values.detach().to(device="cpu", dtype=fg.dtype).contiguous()
-        self._writes.append((staged, self.aio.write(staged, self._file(g), lo * fg.dtype.itemsize)))
-        # Writes in flight hold their staged copies: at most the pool's bytes of them.
-        self._staged_nbytes += staged.nbytes
-        while len(self._writes) > 1 and self._staged_nbytes > self.pool.count * self.pool.nbytes:
-            done, handle = self._writes.pop(0)
-            handle.wait()
-            self._staged_nbytes -= done.nbytes
+        assert not self._pending, "settle() before the step writes"
+        # A piece lies within one shard, and a pool buffer holds the largest shard.
+        nbytes = values.numel() * fg.dtype.itemsize
+        buf = self.writes.acquire()
+        staged = buf[:nbytes]
+        staged.view(fg.dtype).copy_(values.detach().reshape(-1))
+        self.writes.write(buf, staged, self._file(g), lo * fg.dtype.itemsize)
 
     def _drain_writes(self) -> None:
-        writes, self._writes = self._writes, []
-        self._staged_nbytes = 0
-        for _, handle in writes:
-            handle.wait()
+        if self.writes is not None:
+            self.writes.drain()
 
     def settle(self) -> None:
         """Drop fetches nobody gathered (a trace that changed); before the step writes."""

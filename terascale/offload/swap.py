@@ -101,7 +101,7 @@ class WriteBehind:
     def __init__(self, pool: BufferPool, aio: AsyncIO) -> None:
         self.pool = pool
         self.aio = aio
-        self._writes: deque[tuple[torch.Tensor, IoHandle]] = deque()
+        self._writes: deque[tuple[torch.Tensor, IoHandle, Path]] = deque()
 
     def acquire(self) -> torch.Tensor:
         """A pool buffer, waiting for the oldest writes to finish while none is free."""
@@ -115,10 +115,16 @@ class WriteBehind:
             self._finish_oldest()
         return self.pool.available()
 
-    def write(self, buf: torch.Tensor, data: torch.Tensor, path: str | os.PathLike) -> None:
-        """Start writing ``data`` (a view of pool buffer ``buf``) to ``path``; ``buf`` goes
-        back to the pool when the write has finished."""
-        self._writes.append((buf, self.aio.write(data, path)))
+    def write(self, buf: torch.Tensor, data: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> None:
+        """Start writing ``data`` (a view of pool buffer ``buf``) to ``path`` at byte
+        ``offset``; ``buf`` goes back to the pool when the write has finished."""
+        self._writes.append((buf, self.aio.write(data, path, offset), Path(path)))
+
+    def finish_writes_to(self, path: str | os.PathLike) -> None:
+        """Wait until no write to ``path`` is in flight (before reading it back)."""
+        path = Path(path)
+        while any(p == path for _, _, p in self._writes):
+            self._finish_oldest()
 
     def drain(self) -> None:
         """Wait for every write (raising a failed one's error)."""
@@ -126,6 +132,6 @@ class WriteBehind:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        buf, handle = self._writes.popleft()
+        buf, handle, _ = self._writes.popleft()
         handle.wait()  # raises a failed write here
         self.pool.release(buf)

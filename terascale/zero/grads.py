@@ -86,8 +86,16 @@ class ShardedGrads:
         self.rank = dist.get_rank(group)
         self._on_group_done = on_group_done
         self._expected = [sum(t) for t in trainable]
-        # Backward runs roughly last group to first: launch in that order.
-        self._order = [g for g in reversed(range(len(self.groups))) if self._expected[g] > 0]
+        # Backward runs roughly last group to first: launch in that order. At stage 3 the
+        # persistent group gathers small parameters from the whole model (norms, biases of
+        # every block), so its last gradient arrives near the end of backward: it goes
+        # last, or launching in order would wait for it and hold every block's gradient
+        # until then. (At stages 1-2 every group is persistent and the order is the same.)
+        backward = [g for g in reversed(range(len(self.groups))) if self._expected[g] > 0]
+        mixed = any(fg.persistent for fg in self.groups) and not all(fg.persistent for fg in self.groups)
+        self._order = [g for g in backward if not (mixed and self.groups[g].persistent)] + [
+            g for g in backward if mixed and self.groups[g].persistent
+        ]
         self._flat: list[torch.Tensor | None] = [None] * len(self.groups)
         self._spare: list[torch.Tensor] = []  # reduced full buffers kept for reuse (stages 2-3)
         self._shard_store: list[torch.Tensor | None] = [None] * len(self.groups)

@@ -230,6 +230,8 @@ class ShardedState:
 
     def prepare_backward(self, sync: bool) -> None:
         self.grads.prepare_backward(sync)
+        if sync and self.swapper is not None:
+            self.swapper.prefetch()  # the step's first reads run under this backward
 
     def post_backward(self) -> None:
         self.grads.post_backward()
