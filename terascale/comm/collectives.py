@@ -224,6 +224,5 @@ def l2_norm(t: torch.Tensor) -> torch.Tensor:
             wide = scratch[: c.numel()]
             wide.copy_(c)
             parts.append(torch.linalg.vector_norm(wide))
-    if len(parts) == 1:
-        return parts[0]
-    return torch.linalg.vector_norm(torch.stack(parts)) if parts else torch.zeros((), dtype=torch.float32)
+    # ``split`` gives an empty tensor one (empty) chunk, so there is always a part.
+    return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts))

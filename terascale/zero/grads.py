@@ -90,12 +90,9 @@ class ShardedGrads:
         # persistent group gathers small parameters from the whole model (norms, biases of
         # every block), so its last gradient arrives near the end of backward: it goes
         # last, or launching in order would wait for it and hold every block's gradient
-        # until then. (At stages 1-2 every group is persistent and the order is the same.)
+        # until then. (At stages 1-2 every group is persistent: the stable sort keeps the order.)
         backward = [g for g in reversed(range(len(self.groups))) if self._expected[g] > 0]
-        mixed = any(fg.persistent for fg in self.groups) and not all(fg.persistent for fg in self.groups)
-        self._order = [g for g in backward if not (mixed and self.groups[g].persistent)] + [
-            g for g in backward if mixed and self.groups[g].persistent
-        ]
+        self._order = sorted(backward, key=lambda g: self.groups[g].persistent)
         self._flat: list[torch.Tensor | None] = [None] * len(self.groups)
         self._spare: list[torch.Tensor] = []  # reduced full buffers kept for reuse (stages 2-3)
         self._shard_store: list[torch.Tensor | None] = [None] * len(self.groups)
