@@ -247,7 +247,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("flops profiler", False, _flags("flops_profiler", "enabled")),
     Feature(
         "asynchronous checkpoint save",
-        False,
+        True,
         _set_true("checkpoint.async_save", "checkpoint.async"),
     ),
     Feature(

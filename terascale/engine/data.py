@@ -2,10 +2,52 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+
+
+class ResumableSampler(DistributedSampler):
+    """A ``DistributedSampler`` that knows how far into its epoch the loader got.
+
+    It counts the indices it has handed out in the current pass; a checkpoint stores
+    ``state_dict()`` (epoch and that count) and, once loaded, the next pass over the loader
+    skips what the interrupted run had consumed, so training resumes on the same samples.
+    With ``num_workers=0`` (the default here) the loader takes indices one micro-batch at
+    a time, so the count is exactly the samples delivered to the training loop.
+    ``set_epoch`` to another epoch drops a pending resume offset.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.consumed = 0
+        self._resume_at = 0
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        start, self._resume_at = self._resume_at, 0
+        self.consumed = start
+        for i in indices[start:]:
+            self.consumed += 1
+            yield i
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self._resume_at = 0
+            self.consumed = 0
+        super().set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "num_replicas": self.num_replicas}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at ``state``'s position. Across a change of world size the position
+        carries over as the same number of samples per rank (the shuffle differs)."""
+        self.epoch = int(state["epoch"])
+        self._resume_at = int(state["consumed"]) if int(state["consumed"]) < self.num_samples else 0
+        self.consumed = self._resume_at
 
 
 def build_dataloader(
@@ -30,7 +72,7 @@ def build_dataloader(
     if isinstance(dataset, IterableDataset):
         sampler = None
     else:
-        sampler = DistributedSampler(
+        sampler = ResumableSampler(
             dataset, num_replicas=dp_world_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last
         )
     return DataLoader(
@@ -41,4 +83,8 @@ def build_dataloader(
         drop_last=drop_last,
         num_workers=num_workers,
         pin_memory=device.type == "cuda",
+        # Each ``iter(loader)`` draws a seed for its workers; from its own generator it
+        # does not advance the global RNG, so a resumed loop that starts a new pass stays
+        # on the uninterrupted run's random numbers.
+        generator=torch.Generator().manual_seed(seed + dp_rank),
     )

@@ -20,6 +20,7 @@ from torch import nn
 
 from terascale.comm import DistributedContext, all_reduce_flag, broadcast_tensors
 from terascale.config import Config
+from terascale.engine.checkpointing import Checkpointer
 from terascale.engine.clipping import clip_coefficient
 from terascale.engine.loss_scaler import build_loss_scaler
 from terascale.engine.model_state import ModelState, adopt_optimizer, build_model_state
@@ -90,6 +91,8 @@ class Engine(nn.Module):
         self._last_grad_norm: float | None = None
         self.timers = StepTimers(config.wall_clock_breakdown, dist_ctx.device)
         self._monitors = build_monitors(config) if dist_ctx.dp_rank == 0 else []
+        self.training_dataloader = None  # set by initialize(); its sampler position is checkpointed
+        self._checkpointer = Checkpointer(self)
 
     # -- properties a training script reads ------------------------------------------------
 
@@ -228,6 +231,70 @@ class Engine(nn.Module):
 
     # -- state ---------------------------------------------------------------------------------
 
+    def save_checkpoint(
+        self,
+        save_dir: str | Path,
+        tag: str | None = None,
+        client_state: dict | None = None,
+        save_latest: bool = True,
+    ) -> str:
+        """Save everything needed to resume into ``save_dir/<tag>`` (default tag
+        ``global_step<N>``) and point ``save_dir/latest`` at it; returns the tag.
+
+        Collective: call on every rank. Each rank writes only its own state, as spans of
+        named parameters, so the checkpoint loads on any number of ranks, at any ZeRO
+        stage, offloaded or not. The write is atomic: a failure or crash leaves earlier
+        checkpoints and ``latest`` as they were. ``client_state`` (any picklable dict)
+        comes back from :meth:`load_checkpoint`. With ``checkpoint.async`` the state is
+        copied to host memory and written in the background (see :meth:`wait_for_checkpoint`).
+        """
+        return self._checkpointer.save(save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(
+        self,
+        load_dir: str | Path,
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, Any]:
+        """Restore a checkpoint written by :meth:`save_checkpoint` on any layout.
+
+        Collective. Returns ``(path, client_state)``; ``(None, None)`` when ``load_dir``
+        has no ``latest`` and no ``tag`` is given. ``load_module_only`` restores only
+        parameters and buffers (optimizer, scheduler, counters, RNG and data position are
+        left as they are).
+        """
+        return self._checkpointer.load(
+            load_dir,
+            tag,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+        )
+
+    def save_pretrained(self, save_dir: str | Path, **kwargs: Any) -> None:
+        """Write a Hugging Face folder of the current weights (fp32 masters) on rank 0 with
+        the model's own ``save_pretrained``; ``from_pretrained`` loads it. Collective.
+
+        For the wrapped module to be a ``transformers.PreTrainedModel``; ``kwargs`` go to
+        its ``save_pretrained``. Gathers the full state dict in host memory; for models
+        larger than that, save a checkpoint and run ``terascale consolidate --hf``, which
+        streams one parameter at a time.
+        """
+        if not hasattr(self.module, "save_pretrained"):
+            raise ValueError(
+                f"save_pretrained needs a Hugging Face PreTrainedModel, this engine wraps a "
+                f"{type(self.module).__name__}; use save_checkpoint and `terascale consolidate`"
+            )
+        state = self.full_state_dict()
+        if self.dist.rank == 0:
+            self.module.save_pretrained(str(save_dir), state_dict=state, **kwargs)
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for an asynchronous save in flight; raise its error if it failed."""
+        self._checkpointer.wait()
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and persistent buffer by name, full size, fp32, on CPU, on every rank.
 
@@ -309,7 +376,9 @@ class Engine(nn.Module):
         return self._state.offload_io()
 
     def destroy(self) -> None:
-        """Remove hooks and close monitors (the engine is unusable afterwards)."""
+        """Finish a checkpoint save in flight, remove hooks and close monitors (the engine
+        is unusable afterwards)."""
+        self._checkpointer.wait()
         self._state.remove_hooks()
         for m in self._monitors:
             m.close()

@@ -9,7 +9,9 @@ gradients and optimizer state, and that is behind :class:`ModelState`:
 - ``grad_norm()`` is the global norm of the reduced, still loss-scaled gradients;
 - ``step(optimizer, multiplier)`` scales the gradients by ``multiplier`` (unscale and clip
   in one pass), steps the optimizer and writes the result back into the model;
-- ``zero_grad()``, ``full_state_dict()``, ``memory()`` and ``remove_hooks()``.
+- ``zero_grad()``, ``full_state_dict()``, ``memory()`` and ``remove_hooks()``;
+- ``checkpoint_params()`` and ``state_slices(optimizer, mode, optim_keys)``: the state as
+  spans of named tensors for checkpoints (see ``[Note: logical checkpoints]``).
 
 Stage 0 is :class:`ReplicatedState` (below); stages 1-3 are
 :class:`terascale.zero.ShardedState`, one class whose stage is a set of options.
@@ -17,17 +19,30 @@ Stage 0 is :class:`ReplicatedState` (below); stages 1-3 are
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from terascale.checkpoint.spans import (
+    MASTER,
+    PARAM,
+    OptimKey,
+    ParamInfo,
+    Slice,
+    SliceMode,
+    Span,
+    create_optimizer_state,
+    optimizer_slices,
+)
 from terascale.comm import DistributedContext, GradientBuckets, ReducePolicy
 from terascale.config import Config
 from terascale.engine.clipping import global_grad_norm
 from terascale.engine.precision import MasterWeights, PrecisionPolicy
 from terascale.zero import ShardedState, WrapPolicy, zero_options
+from terascale.zero.flat_group import FlatLayout
 from terascale.zero.init import materialize
 
 
@@ -51,6 +66,12 @@ class ModelState(Protocol):
     def offload_io(self) -> dict[str, int]: ...
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def checkpoint_params(self) -> dict[str, ParamInfo]: ...
+
+    def state_slices(
+        self, optimizer: torch.optim.Optimizer, mode: SliceMode, optim_keys: dict[str, OptimKey] | None = None
+    ) -> Iterator[list[Slice]]: ...
 
     def remove_hooks(self) -> None: ...
 
@@ -92,6 +113,11 @@ class ReplicatedState:
             trainable, [names.get(id(p), "<unnamed>") for p in trainable], group, reduce_policy, device
         )
         self._finished = False
+        self._group = group
+        opt_group_of = {id(p): k for k, grp in enumerate(param_groups) for p in grp["params"]}
+        # Every parameter once, by its first name, in module order (the same on every rank).
+        self._named = list(module.named_parameters())
+        self._opt_group = [opt_group_of.get(id(p), -1) for _, p in self._named]
 
     def optimizer_param_groups(self) -> list[dict]:
         return self._groups
@@ -155,6 +181,37 @@ class ReplicatedState:
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         pass  # every optimizer sees whole parameters at stage 0
+
+    def checkpoint_params(self) -> dict[str, ParamInfo]:
+        return {n: ParamInfo(tuple(p.shape), p.dtype, k) for (n, p), k in zip(self._named, self._opt_group)}
+
+    def state_slices(
+        self, optimizer: torch.optim.Optimizer, mode: SliceMode, optim_keys: dict[str, OptimKey] | None = None
+    ) -> Iterator[list[Slice]]:
+        """Every rank holds everything: it saves an even split of the parameters (the
+        shards of one flat layout over all of them, so ranks write in parallel) and loads
+        all of them. One chunk."""
+        load = mode is SliceMode.LOAD
+        if load:
+            parts = [(i, 0, p.numel()) for i, (_, p) in enumerate(self._named)]
+        else:
+            layout = FlatLayout.build([(n, p.shape) for n, p in self._named], dist.get_world_size(self._group))
+            parts = [(f.slot, f.start, f.end) for f in layout.fragments(dist.get_rank(self._group))]
+        out: list[Slice] = []
+        for i, start, end in parts:
+            name, p = self._named[i]
+            if self._opt_group[i] < 0:
+                out.append((Span(PARAM, name, start, end), p.data.reshape(-1)[start:end]))
+                continue
+            master = self._masters.master_of(p)
+            out.append((Span(MASTER, name, start, end), master.data.reshape(-1)[start:end]))
+            if load and optim_keys:
+                create_optimizer_state(optimizer, master, optim_keys)
+            if not load or optim_keys:
+                out.extend(optimizer_slices(optimizer.state.get(master, {}), name, start, end, start, with_scalars=load or start == 0))
+        yield out
+        if load:
+            self._masters.copy_to_model()
 
     def remove_hooks(self) -> None:
         self._buckets.remove_hooks()

@@ -1,4 +1,4 @@
-"""The ``terascale`` command line: ``terascale run ...``, ``terascale estimate`` and ``terascale env``.
+"""The ``terascale`` command line: ``terascale run ...``, ``estimate``, ``consolidate`` and ``env``.
 
 Each subcommand registers itself through one ``_add_<name>`` function and a
 handler, so later subcommands slot in without touching the others. Heavy
@@ -122,6 +122,37 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_consolidate(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "consolidate",
+        help="one ordinary safetensors file (or Hugging Face folder) from a sharded checkpoint",
+        description="Assemble the model's full state dict from a checkpoint written on any number "
+        "of ranks, parameter by parameter (peak memory: about the largest parameter). OUT ending "
+        "in .safetensors gets one file loadable by model.load_state_dict; with --hf, OUT is a "
+        "folder that transformers' from_pretrained loads.",
+    )
+    p.add_argument("checkpoint", help="a checkpoint folder, or the save directory (with --tag or its 'latest')")
+    p.add_argument("out", help="output .safetensors file (or folder with --hf)")
+    p.add_argument("--tag", default=None, help="checkpoint tag inside the save directory (default: latest)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="floating dtype (default fp32)")
+    p.add_argument("--hf", action="store_true", help="write a Hugging Face folder (config.json + model.safetensors)")
+    p.set_defaults(handler=_consolidate)
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from terascale.checkpoint import write_consolidated, write_pretrained
+    from terascale.checkpoint.consolidate import DTYPES
+
+    dtype = DTYPES[args.dtype]
+    if args.hf:
+        out = write_pretrained(args.checkpoint, args.out, tag=args.tag, dtype=dtype)
+        print(f"wrote {out}/config.json and {out}/model.safetensors")
+    else:
+        nbytes = write_consolidated(args.checkpoint, args.out, tag=args.tag, dtype=dtype)
+        print(f"wrote {args.out} ({nbytes / 2**20:.1f} MiB)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``terascale`` argument parser with one subparser per subcommand."""
     parser = argparse.ArgumentParser(
@@ -132,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run(subparsers)
     _add_env(subparsers)
     _add_estimate(subparsers)
+    _add_consolidate(subparsers)
     return parser
 
 

@@ -237,6 +237,24 @@ class AsyncIO:
                 self._fds[(key, True)] = direct
             return plain, direct
 
+    def close_file(self, path: str | os.PathLike, *, fsync: bool = False) -> None:
+        """Close ``path``'s descriptors (after its requests finished), first flushing the
+        file to the device with ``fsync``: a file written once, like a checkpoint shard,
+        holds no descriptor afterwards."""
+        key = str(path)
+        with self._lock:
+            fds = [self._fds.pop((key, direct), None) for direct in (False, True)]
+        try:
+            if fsync and fds[0] is not None:
+                try:
+                    os.fsync(fds[0])
+                except OSError as exc:
+                    raise AioError(exc.errno, _explain(exc, "fsync", Path(path)), key) from exc
+        finally:
+            for fd in fds:
+                if fd is not None:
+                    os.close(fd)
+
     def close(self) -> None:
         """Finish outstanding requests, stop the threads and close every file."""
         try:

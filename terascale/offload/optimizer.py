@@ -45,7 +45,7 @@ from terascale.offload.swap import BufferPool, SwapDirectory, WriteBehind, round
 if TYPE_CHECKING:
     from terascale.zero.masters import ShardedMasters
 
-_MASTER = "master"
+MASTER_KEY = "master"  # the segment of a piece's master (other keys: optimizer state)
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class OptimizerSwapper:
         directory.require_free(3 * numel * masters.dtype.itemsize, "offload_optimizer (masters and Adam state)")
         for k, run in enumerate(self.runs):
             (create_run or masters.create_run)(run)
-            segments, nbytes = _layout([(i, _MASTER, masters.masters[i].data) for i in run])
+            segments, nbytes = _layout([(i, MASTER_KEY, masters.masters[i].data) for i in run])
             self._layouts.append(segments)
             self._nbytes.append(nbytes)
             self.pool.reserve(nbytes)
@@ -178,6 +178,35 @@ class OptimizerSwapper:
             for k in range(len(bufs)):
                 self._unbind(k, None)
 
+    @contextmanager
+    def run_resident(self, k: int, optimizer: torch.optim.Optimizer, write_back: bool) -> Iterator[None]:
+        """Swap run ``k``'s masters and optimizer state in (one pool buffer) for reading,
+        or for modifying with ``write_back``: then its values, and state entries added to
+        its masters meanwhile, go back to its file on exit. For checkpoints: one run in
+        memory at a time."""
+        self.flush()
+        buf = self.pool.acquire()
+        try:
+            self.aio.sync_read(buf[: self._nbytes[k]], self._file(k))
+            self._bind(k, buf, optimizer)
+            yield
+            if write_back:
+                fresh = self._relayout(k, buf, optimizer)
+                buf = fresh  # _relayout gave ``buf`` back if it made a new one
+                self.aio.sync_write(buf[: self._nbytes[k]], self._file(k))
+        finally:
+            self._unbind(k, optimizer)
+            self.pool.release(buf)
+
+    def run_layout(self, k: int) -> dict[int, dict[str, torch.Tensor]]:
+        """Run ``k``'s file as ``piece -> {"master" or state key: meta tensor}``: the dtypes
+        and shapes it holds, without reading it."""
+        buf = torch.empty(self._nbytes[k], dtype=torch.uint8, device="meta")
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for seg in self._layouts[k]:
+            out.setdefault(seg.piece, {})[seg.key] = seg.view(buf)
+        return out
+
     # -- buffers and files ---------------------------------------------------------------------
 
     def _file(self, k: int) -> Path:
@@ -195,7 +224,7 @@ class OptimizerSwapper:
     def _bind(self, k: int, buf: torch.Tensor, optimizer: torch.optim.Optimizer | None) -> None:
         for seg in self._layouts[k]:
             view = seg.view(buf)
-            if seg.key == _MASTER:
+            if seg.key == MASTER_KEY:
                 self.masters.masters[seg.piece].data = view
             elif optimizer is not None:
                 optimizer.state[self.masters.masters[seg.piece]][seg.key] = view
@@ -203,7 +232,7 @@ class OptimizerSwapper:
     def _unbind(self, k: int, optimizer: torch.optim.Optimizer | None) -> None:
         for seg in self._layouts[k]:
             placeholder = torch.empty(0, dtype=seg.dtype)
-            if seg.key == _MASTER:
+            if seg.key == MASTER_KEY:
                 self.masters.masters[seg.piece].data = placeholder
             elif optimizer is not None:
                 optimizer.state[self.masters.masters[seg.piece]][seg.key] = placeholder
@@ -215,15 +244,17 @@ class OptimizerSwapper:
         entries = []
         for i in self.runs[k]:
             m = self.masters.masters[i]
-            entries.append((i, _MASTER, m.data))
+            entries.append((i, MASTER_KEY, m.data))
             for key, value in optimizer.state.get(m, {}).items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     entries.append((i, key, value))
         if all((i, key) in known for i, key, _ in entries):
             return buf
         segments, nbytes = _layout(entries)
-        # Masters are views of ``buf``, which may come back from the pool: copy them out.
-        values = [t.clone() if key == _MASTER else t for _, key, t in entries]
+        # Views of ``buf`` (the masters, state read from the file) may be overwritten when
+        # ``buf`` comes back from the pool as the fresh buffer: copy them out.
+        held = buf.untyped_storage().data_ptr()
+        values = [t.clone() if t.untyped_storage().data_ptr() == held else t for _, _, t in entries]
         self.pool.release(buf)
         self.pool.reserve(nbytes)
         fresh = self.writes.acquire()

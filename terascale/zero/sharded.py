@@ -15,7 +15,7 @@ parameter shards; persistent groups are then all-gathered back to full.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from terascale.checkpoint.spans import OptimKey, ParamInfo, Slice, SliceMode
 from terascale.comm import all_gather_flat, duplicate_group
 from terascale.comm.collectives import global_grad_norm
 from terascale.config import Config
@@ -39,6 +40,7 @@ from terascale.zero.grads import GradPolicy, ShardedGrads
 from terascale.zero.host import map_large_allocations, return_freed_host_memory
 from terascale.zero.masters import ShardedMasters
 from terascale.zero.schedule import ParamSchedule, SchedulePolicy
+from terascale.zero.state_io import sharded_slices
 from terascale.zero.wrap import GroupPlan, WrapPolicy, plan_groups
 
 
@@ -364,6 +366,20 @@ class ShardedState:
                 if out[name].is_floating_point():
                     out[name] = out[name].float()
         return out
+
+    def checkpoint_params(self) -> dict[str, ParamInfo]:
+        """Every parameter by (first) name: full shape, dtype, optimizer group or -1."""
+        return {
+            slot.name: ParamInfo(tuple(slot.shape), fg.dtype, plan.opt_group[i])
+            for plan, fg in zip(self.plans, self.groups)
+            for i, slot in enumerate(fg.layout.slots)
+        }
+
+    def state_slices(
+        self, optimizer: torch.optim.Optimizer, mode: SliceMode, optim_keys: dict[str, OptimKey] | None = None
+    ) -> Iterator[list[Slice]]:
+        """This rank's shards as checkpoint spans, chunk by chunk (see ``[Note: logical checkpoints]``)."""
+        return sharded_slices(self, optimizer, mode, optim_keys)
 
     def group_of(self, param: nn.Parameter) -> FlatParamGroup | None:
         g = self._group_of.get(id(param))

@@ -1,0 +1,142 @@
+"""Logical coordinates of checkpointed state: which elements of which named tensor.
+
+[Note: logical checkpoints]
+A checkpoint never records how a rank held its state (groups, flat buffers, padding,
+swap files); it records *spans*: elements ``[start, end)`` of the flattened tensor
+``name`` of one kind (``key``): ``master`` (the fp32 master of a trainable parameter),
+``param`` (a frozen parameter in the compute dtype), ``buffer`` (a module buffer) and
+``optim/<state>`` (one optimizer state tensor per trainable parameter, e.g.
+``optim/exp_avg``). A 0-d optimizer value (Adam's step count) is the span ``[0, 1)`` of
+its parameter under its key. Each rank saves the spans it owns: at ZeRO stages 1-3 the
+parameter parts of its flat shards; at stage 0 an even split of all parameters. Loading
+on any layout asks, for every local tensor, for the spans it covers and reads those
+byte ranges from whichever files hold them. Low-precision parameters are casts of their
+masters (the step writes them so), so they are not stored twice.
+
+The model states expose their tensors to the checkpoint as lists of
+``(Span, local tensor)`` through ``state_slices`` (see ``[Note: model state]``), one
+list per *chunk* that is resident at once: an optimizer run swapped in from NVMe is
+one chunk, so saving and loading never hold more of the state in memory than a step does.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+MASTER = "master"
+PARAM = "param"
+BUFFER = "buffer"
+OPTIM = "optim/"
+
+
+@dataclass(frozen=True)
+class Span:
+    """Elements ``[start, end)`` of the flattened tensor ``name`` of kind ``key``."""
+
+    key: str
+    name: str
+    start: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    @property
+    def tensor_key(self) -> str:
+        """The key of this span's tensor in a shard file."""
+        return f"{self.key}/{self.name}/{self.start}"
+
+
+Slice = tuple[Span, torch.Tensor]  # a span and the local tensor holding its elements
+
+
+class SliceMode(enum.Enum):
+    """What ``state_slices`` is iterated for.
+
+    DESCRIBE: the spans this rank saves, with tensors that may be ``meta`` (only dtype
+    and shape are read: the file header is written before any data). SAVE: the same
+    spans with their values. LOAD: every span this rank holds, to be filled in place;
+    state written back to its tier after each chunk and pushed into the model at the end.
+    """
+
+    DESCRIBE = "describe"
+    SAVE = "save"
+    LOAD = "load"
+
+
+@dataclass(frozen=True)
+class OptimKey:
+    """An optimizer state entry to create on load: elementwise like the master, or 0-d."""
+
+    dtype: torch.dtype
+    scalar: bool
+
+
+def optim_span_key(state_key: str) -> str:
+    return OPTIM + state_key
+
+
+def state_tensor(value: object) -> bool:
+    """Whether an optimizer state value is checkpointed as a span (any tensor is)."""
+    return isinstance(value, torch.Tensor)
+
+
+def optimizer_slices(
+    state: dict[str, object], name: str, start: int, end: int, offset: int, *, with_scalars: bool
+) -> list[Slice]:
+    """The spans of one master's optimizer ``state`` for parameter ``name`` elements
+    ``[start, end)``, which sit at ``[offset, offset + end - start)`` of the master.
+
+    0-d values (step counts) come as span ``[0, 1)`` when ``with_scalars``.
+    """
+    out: list[Slice] = []
+    for key, value in sorted(state.items()):
+        if not state_tensor(value):
+            continue
+        if value.dim() == 0:
+            if with_scalars:
+                out.append((Span(optim_span_key(key), name, 0, 1), value))
+        else:
+            out.append((Span(optim_span_key(key), name, start, end), value.reshape(-1)[offset : offset + end - start]))
+    return out
+
+
+def create_optimizer_state(
+    optimizer: torch.optim.Optimizer, master: torch.Tensor, keys: dict[str, OptimKey]
+) -> None:
+    """Give ``master`` the optimizer state entries ``keys`` it lacks (values to be loaded).
+
+    Elementwise entries are made like the master; 0-d ones on the CPU, as torch's
+    optimizers keep step counts unless the group is ``fused`` or ``capturable``.
+    """
+    state = optimizer.state[master]
+    group = next((g for g in optimizer.param_groups if any(p is master for p in g["params"])), {})
+    on_device = bool(group.get("fused") or group.get("capturable"))
+    for key, spec in keys.items():
+        have = state.get(key)
+        if spec.scalar:
+            if not (isinstance(have, torch.Tensor) and have.dim() == 0):
+                state[key] = torch.zeros((), dtype=spec.dtype, device=master.device if on_device else "cpu")
+        elif not (isinstance(have, torch.Tensor) and have.shape == master.shape):
+            state[key] = torch.zeros(master.shape, dtype=spec.dtype, device=master.device)
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """A parameter as a checkpoint records it: full shape, the dtype the model computes
+    in, and its optimizer param group (-1: frozen, stored as a ``param`` span)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    opt_group: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n

@@ -1,0 +1,165 @@
+"""A safetensors file written tensor by tensor through the asynchronous I/O engine.
+
+[Note: streamed shard files]
+``safetensors.torch.save_file`` serialises a whole dict of tensors into one bytes object
+first, so saving a rank's state would cost that state twice in host memory, and state
+that lives on NVMe would have to be materialised whole. The safetensors format is a
+little-endian u64 header length, a JSON header giving each tensor's dtype, shape and
+byte range in the data section, then the data section. Since the header only needs the
+tensors' dtypes and shapes, :class:`SafetensorsStream` writes it first and then streams
+each tensor's bytes, in header order, through a few aligned staging buffers that the I/O
+engine writes behind (``O_DIRECT`` where the filesystem allows it). The header is padded
+with spaces, which the format allows, so that the data section starts on a 4 KiB
+boundary and every full staging buffer lands at an aligned file offset. Files are read
+back with the ``safetensors`` library itself (``safe_open(...).get_slice``), which reads
+just the byte ranges asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from terascale.offload.aio import ALIGNMENT, AsyncIO
+from terascale.offload.swap import BufferPool, WriteBehind, round_up
+
+# The safetensors names of the dtypes a checkpoint holds.
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a file: its key, dtype and shape (the header is built from these)."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+def _header(entries: Sequence[TensorEntry], metadata: dict[str, str] | None) -> bytes:
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    at = 0
+    for e in entries:
+        if e.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"cannot store {e.key} of dtype {e.dtype} in a safetensors file")
+        header[e.key] = {"dtype": SAFETENSORS_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [at, at + e.nbytes]}
+        at += e.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    padded = round_up(8 + len(text)) - 8  # the data section starts 4 KiB-aligned
+    return struct.pack("<Q", padded) + text + b" " * (padded - len(text))
+
+
+class SafetensorsStream:
+    """Writes ``entries`` to ``path`` as a safetensors file: :meth:`write` each tensor in
+    order, then :meth:`close`, which flushes the file to the device (``fsync``).
+
+    At most ``buffer_count`` staging buffers of ``buffer_bytes`` are in memory at once,
+    whatever the file's size. Any error leaves a file that must be considered unwritten.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        entries: Sequence[TensorEntry],
+        aio: AsyncIO,
+        *,
+        metadata: dict[str, str] | None = None,
+        buffer_bytes: int = 16 << 20,
+        buffer_count: int = 3,
+    ) -> None:
+        self.path = Path(path)
+        self.entries = list(entries)
+        self.aio = aio
+        head = _header(self.entries, metadata)
+        self._data_start = len(head)
+        self.nbytes = len(head) + sum(e.nbytes for e in self.entries)
+        self._next = 0  # index of the next entry to write
+        self._pool = BufferPool(max(2, buffer_count))
+        self._pool.reserve(max(ALIGNMENT, round_up(buffer_bytes)))
+        self._writes = WriteBehind(self._pool, aio)
+        with open(self.path, "wb") as f:  # a fresh file: nothing of an older one survives
+            f.write(head)
+        self._buf: torch.Tensor | None = None
+        self._fill = 0  # bytes staged in _buf
+        self._offset = self._data_start  # file offset of _buf[0]
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        """Append ``tensor`` (any device, contiguous or not) as entry ``key``."""
+        assert self._next < len(self.entries), f"{self.path}: more tensors than entries"
+        entry = self.entries[self._next]
+        if key != entry.key or tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
+            raise ValueError(
+                f"{self.path}: expected {entry.key} {entry.dtype} {list(entry.shape)}, got {key} "
+                f"{tensor.dtype} {list(tensor.shape)}"
+            )
+        self._next += 1
+        flat = tensor.detach().reshape(-1).view(torch.uint8) if tensor.numel() else None
+        done = 0
+        total = entry.nbytes
+        while done < total:
+            if self._buf is None:
+                self._buf = self._writes.acquire()
+                self._fill = 0
+            n = min(total - done, self._buf.numel() - self._fill)
+            self._buf[self._fill : self._fill + n].copy_(flat[done : done + n])
+            self._fill += n
+            done += n
+            if self._fill == self._buf.numel():
+                self._flush()
+
+    def _flush(self) -> None:
+        if self._buf is None:
+            return
+        self._writes.write(self._buf, self._buf[: self._fill], self.path, self._offset)
+        self._offset += self._fill
+        self._buf = None
+
+    def close(self) -> int:
+        """Write what is staged, wait for every write, ``fsync``; the file's size in bytes."""
+        if self._next != len(self.entries):
+            missing = [e.key for e in self.entries[self._next :]]
+            raise AssertionError(f"{self.path}: {len(missing)} tensors not written, first {missing[0]}")
+        try:
+            self._flush()
+            self._writes.drain()
+        finally:
+            self.aio.close_file(self.path, fsync=True)
+        return self.nbytes
+
+    def abort(self) -> None:
+        """Stop after an error: wait for writes in flight (ignoring their errors), close the file."""
+        try:
+            while True:
+                try:
+                    self._writes.drain()  # each failed write is dropped as it raises
+                    break
+                except OSError:
+                    continue
+        finally:
+            self.aio.close_file(self.path)

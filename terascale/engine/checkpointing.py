@@ -1,0 +1,400 @@
+"""``engine.save_checkpoint`` / ``engine.load_checkpoint``: the engine's side of checkpoints.
+
+The model state provides its tensors as spans (``[Note: logical checkpoints]``); this
+module adds what only the engine knows (step counters, loss scaler, LR scheduler,
+optimizer options, sampler position, every rank's RNG, the config, the client's state),
+and drives the save protocol of ``[Note: atomic checkpoints]`` over a dedicated gloo
+group, which the background thread of an asynchronous save can use while training goes
+on over the others.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import random
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from terascale.checkpoint.directory import CheckpointDirectory, validate_tag
+from terascale.checkpoint.manifest import CheckpointError, Manifest, dtype_name, parse_dtype
+from terascale.checkpoint.reader import CheckpointReader
+from terascale.checkpoint.spans import BUFFER, MASTER, OPTIM, PARAM, OptimKey, ParamInfo, Slice, SliceMode, Span
+from terascale.checkpoint.writer import shard_file_name, snapshot, write_shard
+from terascale.offload.aio import AsyncIO
+
+if TYPE_CHECKING:
+    from terascale.engine.engine import Engine
+
+logger = logging.getLogger("terascale")
+
+CLIENT_STATE = "client_state.pt"
+
+
+class Checkpointer:
+    """Saves and loads ``engine``'s checkpoints; at most one asynchronous save in flight."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._group: dist.ProcessGroup | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_stall_s = 0.0  # how long the last save kept training waiting
+
+    def _coordination_group(self) -> dist.ProcessGroup:
+        # Created on the first save, which every rank makes: new_group is collective.
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def save(self, save_dir: str | Path, tag: str | None, client_state: dict | None, save_latest: bool) -> str:
+        """Write a checkpoint of every rank's state to ``save_dir/<tag>``; returns the tag.
+
+        Collective. With ``checkpoint.async`` the state is copied to host memory and
+        written by a background thread; the next save, load or ``wait()`` waits for it and
+        raises its error if it failed.
+        """
+        started = time.perf_counter()
+        engine = self.engine
+        self.wait()
+        tag = validate_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
+        group = self._coordination_group()
+        self._validate_tag(tag, group)
+        if not engine.is_gradient_accumulation_boundary() and engine.micro_steps % engine.gradient_accumulation_steps:
+            logger.warning("saving checkpoint '%s' inside an accumulation window: its gradients are not saved", tag)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        directory = CheckpointDirectory(save_dir)
+        error = None
+        if rank == 0:
+            try:
+                directory.prepare(tag)
+                if client_state is not None:
+                    torch.save(client_state, directory.staging(tag) / CLIENT_STATE)
+            except OSError as exc:
+                error = f"cannot create '{directory.staging(tag)}': {exc}"
+        _raise_if_any(error, group, f"saving checkpoint '{tag}' failed")
+
+        state, optimizer = engine._state, engine.optimizer
+        described = [s for chunk in state.state_slices(optimizer, SliceMode.DESCRIBE) for s in chunk]
+        buffers = _buffer_slices(engine) if rank == 0 else []
+        described += buffers
+        info = _RankInfo(rank, world, _rng_state(), _optim_keys(described))
+        manifest = self._manifest(tag) if rank == 0 else None
+        path = directory.staging(tag) / shard_file_name(rank, world)
+        if engine.config.checkpoint.async_save:
+            snap = snapshot(list(state.state_slices(optimizer, SliceMode.SAVE)) + [buffers])
+            self._thread = threading.Thread(
+                target=self._finish_in_background,
+                args=(directory, tag, path, described, [snap], info, manifest, save_latest, group),
+                name="terascale-checkpoint",
+            )
+            self._thread.start()
+        else:
+            chunks = _chain(state.state_slices(optimizer, SliceMode.SAVE), buffers)
+            self._finish(directory, tag, path, described, chunks, info, manifest, save_latest, group)
+        self.last_stall_s = time.perf_counter() - started
+        return tag
+
+    def wait(self) -> None:
+        """Wait for an asynchronous save in flight; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"the asynchronous checkpoint save failed: {error}") from error
+
+    def _finish_in_background(self, *args: Any) -> None:
+        try:
+            self._finish(*args)
+        except BaseException as exc:  # surfaces on the next save/load/wait
+            self._error = exc
+
+    def _finish(
+        self,
+        directory: CheckpointDirectory,
+        tag: str,
+        path: Path,
+        described: list[Slice],
+        chunks: Any,
+        info: _RankInfo,
+        manifest: Manifest | None,
+        save_latest: bool,
+        group: dist.ProcessGroup,
+    ) -> None:
+        """Write this rank's file, then (rank 0, once all succeeded) commit the checkpoint."""
+        error, shard = None, None
+        try:
+            with AsyncIO() as aio:
+                shard = write_shard(path, described, chunks, aio)
+        except Exception as exc:
+            error = f"rank {info.rank} writing '{path}': {exc}"
+        gathered: list[Any] = [None] * info.world if info.rank == 0 else []
+        dist.gather_object((shard, info, error), gathered if info.rank == 0 else None, dst=0, group=group)
+        result = None
+        if info.rank == 0:
+            errors = [e for _, _, e in gathered if e]
+            if errors:
+                result = "; ".join(errors)
+            else:
+                try:
+                    assert manifest is not None
+                    manifest.files = [s for s, _, _ in gathered]
+                    manifest.rng = [i.rng for _, i, _ in gathered]
+                    manifest.optim_keys = {k: v for _, i, _ in gathered for k, v in i.optim_keys.items()}
+                    directory.commit(tag, manifest.to_json(), save_latest=save_latest)
+                    keep = self.engine.config.checkpoint.keep_last_n
+                    if keep:
+                        directory.prune(keep, protect=tag)
+                except Exception as exc:
+                    result = f"committing '{directory.root / tag}': {exc}"
+            if result is not None:
+                directory.abort(tag)
+        _raise_if_any(result, group, f"saving checkpoint '{tag}' failed; earlier checkpoints are untouched")
+
+    def _validate_tag(self, tag: str, group: dist.ProcessGroup) -> None:
+        mode = self.engine.config.checkpoint.tag_validation
+        if mode == "IGNORE" or dist.get_world_size() == 1:
+            return
+        tags: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(tags, tag, group=group)
+        if len(set(tags)) > 1:
+            msg = f"checkpoint tags differ between ranks: {sorted(set(tags))}"
+            if mode == "FAIL":
+                raise ValueError(msg + " (checkpoint.tag_validation is FAIL)")
+            logger.warning(msg)
+
+    def _manifest(self, tag: str) -> Manifest:
+        engine = self.engine
+        params = engine._state.checkpoint_params()
+        names: dict[int, list[str]] = {}
+        for n, p in engine.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(n)
+        aliases = {ns[0]: ns[1:] for ns in names.values() if len(ns) > 1 and ns[0] in params}
+        extra = {}
+        hf_config = getattr(engine.module, "config", None)
+        if hasattr(hf_config, "to_json_string") and hasattr(engine.module, "save_pretrained"):
+            extra["hf_config"] = json.loads(hf_config.to_json_string(use_diff=False))
+        return Manifest(
+            tag=tag,
+            world_size=dist.get_world_size(),
+            stage=engine.config.zero_optimization.stage,
+            params=params,
+            aliases=aliases,
+            buffers={n: ParamInfo(tuple(b.shape), b.dtype, -1) for n, b in _persistent_buffers(engine).items()},
+            optim_keys={},
+            files=[],
+            engine=_engine_state(engine),
+            config=engine.config.model_dump(mode="json", by_alias=True, exclude_unset=True),
+            extra=extra,
+        )
+
+    # -- loading -------------------------------------------------------------------------------
+
+    def load(
+        self,
+        load_dir: str | Path,
+        tag: str | None,
+        *,
+        load_optimizer_states: bool,
+        load_lr_scheduler_states: bool,
+        load_module_only: bool,
+    ) -> tuple[str | None, Any]:
+        """Load checkpoint ``load_dir/<tag>`` (default: ``latest``) on this engine's layout.
+
+        Each rank reads just the spans it holds. Returns ``(path, client_state)``, or
+        ``(None, None)`` with a warning when ``load_dir`` has no ``latest`` and no tag
+        was given (as DeepSpeed does, so a script can always try to resume).
+        """
+        self.wait()
+        engine = self.engine
+        folder = CheckpointDirectory(load_dir).resolve(tag)
+        if folder is None:
+            logger.warning("no checkpoint to load: '%s' has no 'latest' file", load_dir)
+            return None, None
+        with_optim = load_optimizer_states and not load_module_only
+        with CheckpointReader(folder) as reader:
+            m = reader.manifest
+            _check_fits(folder, m, engine._state.checkpoint_params(), _persistent_buffers(engine))
+            optim_keys = None
+            if with_optim:
+                _check_optimizer(folder, m, engine.optimizer)
+                optim_keys = {
+                    k.removeprefix(OPTIM): OptimKey(parse_dtype(v["dtype"]), bool(v["scalar"])) for k, v in m.optim_keys.items()
+                }
+            for chunk in engine._state.state_slices(engine.optimizer, SliceMode.LOAD, optim_keys):
+                for span, t in chunk:
+                    _read(reader, span, t)
+            for name, b in _persistent_buffers(engine).items():
+                reader.read_into(Span(BUFFER, name, 0, b.numel()), b.data)
+        if not load_module_only:
+            _restore_engine(engine, m.engine, optimizer=with_optim, scheduler=load_lr_scheduler_states)
+            rank = dist.get_rank()
+            if rank < len(m.rng):
+                _set_rng_state(m.rng[rank])
+        client = folder / CLIENT_STATE
+        client_state = torch.load(client, weights_only=False) if client.exists() else {}
+        return str(folder), client_state
+
+
+class _RankInfo:
+    """What each rank sends rank 0 for the manifest."""
+
+    def __init__(self, rank: int, world: int, rng: dict, optim_keys: dict) -> None:
+        self.rank, self.world, self.rng, self.optim_keys = rank, world, rng, optim_keys
+
+
+def _chain(chunks: Any, last: list[Slice]) -> Any:
+    yield from chunks
+    yield last
+
+
+def _raise_if_any(error: str | None, group: dist.ProcessGroup, what: str) -> None:
+    """Agree over ``group`` on rank 0's (or any rank's) error; every rank raises it."""
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error, group=group)
+    found = [e for e in errors if e]
+    if found:
+        raise CheckpointError(f"{what}: {'; '.join(found)}")
+
+
+def _persistent_buffers(engine: Engine) -> dict[str, torch.Tensor]:
+    keys = set(engine.module.state_dict(keep_vars=True))
+    return {n: b for n, b in engine.module.named_buffers() if n in keys}
+
+
+def _buffer_slices(engine: Engine) -> list[Slice]:
+    return [(Span(BUFFER, n, 0, b.numel()), b.detach().reshape(-1)) for n, b in _persistent_buffers(engine).items()]
+
+
+def _optim_keys(described: list[Slice]) -> dict[str, dict]:
+    """The optimizer state keys among ``described``: dtype, and whether 0-d (a step count)."""
+    keys: dict[str, dict] = {}
+    for span, t in described:
+        if span.key.startswith(OPTIM) and span.key not in keys:
+            keys[span.key] = {"dtype": dtype_name(t.dtype), "scalar": t.dim() == 0}
+    return keys
+
+
+def _read(reader: CheckpointReader, span: Span, out: torch.Tensor) -> None:
+    """Read ``span``; a parameter trainable in one run and frozen in the other is found
+    under the other kind (master vs param) and cast."""
+    if not reader.has(span.key, span.name):
+        other = {MASTER: PARAM, PARAM: MASTER}.get(span.key)
+        if other is not None and reader.has(other, span.name):
+            span = Span(other, span.name, span.start, span.end)
+        elif span.key.startswith(OPTIM):
+            # The saving optimizer never stepped this parameter (no gradient at stage 0):
+            # its state is the fresh one. A 0-d value is shared by the parameters of one
+            # master, so it is left to those that have it.
+            if out.dim() > 0:
+                out.zero_()
+            return
+    reader.read_into(span, out)
+
+
+def _check_fits(folder: Path, m: Manifest, params: dict[str, ParamInfo], buffers: dict[str, torch.Tensor]) -> None:
+    """A clear error when the checkpoint is of another model: names missing, unexpected, reshaped."""
+    mine = {**{n: p.shape for n, p in params.items()}, **{n: tuple(b.shape) for n, b in buffers.items()}}
+    saved = {**{n: p.shape for n, p in m.params.items()}, **{n: p.shape for n, p in m.buffers.items()}}
+    missing = sorted(set(mine) - set(saved))
+    unexpected = sorted(set(saved) - set(mine))
+    reshaped = sorted(f"{n}: checkpoint {list(saved[n])}, model {list(mine[n])}" for n in set(mine) & set(saved)
+                      if tuple(saved[n]) != tuple(mine[n]))  # fmt: skip
+    if missing or unexpected or reshaped:
+        def some(names: list[str]) -> str:
+            return ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {some(missing)}")
+        if unexpected:
+            parts.append(f"unexpected (not in the model): {some(unexpected)}")
+        if reshaped:
+            parts.append(f"different shapes: {some(reshaped)}")
+        raise CheckpointError(f"checkpoint '{folder}' is not of this model; " + "; ".join(parts))
+
+
+def _check_optimizer(folder: Path, m: Manifest, optimizer: torch.optim.Optimizer) -> None:
+    saved = m.engine.get("optimizer", {})
+    groups = saved.get("param_groups", [])
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"checkpoint '{folder}' has {len(groups)} optimizer param groups, this optimizer has "
+            f"{len(optimizer.param_groups)}; load with load_optimizer_states=False"
+        )
+
+
+def _engine_state(engine: Engine) -> dict[str, Any]:
+    sampler = getattr(getattr(engine, "training_dataloader", None), "sampler", None)
+    scheduler = engine.lr_scheduler
+    return {
+        "global_steps": engine.global_steps,
+        "micro_steps": engine.micro_steps,
+        "global_samples": engine.global_samples,
+        "skipped_steps": engine.skipped_steps,
+        "loss_scaler": engine.loss_scaler.state_dict(),
+        "lr_scheduler": scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
+        "optimizer": {
+            "type": type(engine.optimizer).__name__,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
+        },
+        "sampler": sampler.state_dict() if hasattr(sampler, "state_dict") else None,
+    }
+
+
+def _restore_engine(engine: Engine, state: dict[str, Any], *, optimizer: bool, scheduler: bool) -> None:
+    engine.global_steps = int(state["global_steps"])
+    engine.micro_steps = int(state["micro_steps"])
+    engine.global_samples = int(state["global_samples"])
+    engine.skipped_steps = int(state["skipped_steps"])
+    engine.loss_scaler.load_state_dict(state["loss_scaler"])
+    if optimizer:
+        for group, saved in zip(engine.optimizer.param_groups, state["optimizer"]["param_groups"]):
+            for k, v in saved.items():
+                group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
+    if scheduler and state.get("lr_scheduler") is not None and hasattr(engine.lr_scheduler, "load_state_dict"):
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    sampler = getattr(getattr(engine, "training_dataloader", None), "sampler", None)
+    if state.get("sampler") is not None and hasattr(sampler, "load_state_dict"):
+        sampler.load_state_dict(state["sampler"])
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def _rng_state() -> dict[str, Any]:
+    version, mt, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    out = {
+        "python": [version, list(mt), gauss],
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": _b64(torch.get_rng_state()),
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    version, mt, gauss = state["python"]
+    random.setstate((version, tuple(mt), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_unb64(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])

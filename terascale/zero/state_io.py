@@ -1,0 +1,123 @@
+"""The sharded model state as checkpoint spans (see ``[Note: logical checkpoints]``).
+
+A rank's state at stages 1-3 is its shard of every group: frozen parameter parts (kept
+in the compute dtype, there is no master) and master pieces with their optimizer state.
+:func:`sharded_slices` maps both to spans of named parameters through the group's flat
+layout, one chunk at a time: a group's frozen parts, then each optimizer run (swapped in
+from NVMe where it lives there, so one run is in memory at a time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from terascale.checkpoint.spans import MASTER, PARAM, OptimKey, Slice, SliceMode, Span, create_optimizer_state, optimizer_slices
+from terascale.offload.optimizer import MASTER_KEY
+from terascale.zero.flat_group import FlatParamGroup
+from terascale.zero.masters import Piece
+
+if TYPE_CHECKING:
+    from terascale.zero.sharded import ShardedState
+
+
+def piece_spans(fg: FlatParamGroup, piece: Piece) -> list[tuple[str, int, int, int]]:
+    """``(name, start, end, offset)`` for each parameter part in ``piece``: elements
+    ``[start, end)`` of parameter ``name`` sit at ``offset`` of the piece's master."""
+    out = []
+    for f in fg.layout.fragments(fg.rank):
+        a, b = max(piece.lo, f.shard_offset), min(piece.hi, f.shard_offset + f.numel)
+        if a < b:
+            start = f.start + a - f.shard_offset
+            out.append((fg.layout.slots[f.slot].name, start, start + b - a, a - piece.lo))
+    return out
+
+
+def sharded_slices(
+    st: ShardedState,
+    optimizer: torch.optim.Optimizer,
+    mode: SliceMode,
+    optim_keys: dict[str, OptimKey] | None = None,
+) -> Iterator[list[Slice]]:
+    """This rank's spans of ``st`` chunk by chunk (see :class:`SliceMode`).
+
+    With LOAD, optimizer state entries ``optim_keys`` are created where missing (None:
+    no optimizer state is loaded), each chunk goes back to its tier once the consumer
+    moves on, and the loaded masters are written into the parameter shards and the
+    persistent groups all-gathered when the iteration ends.
+    """
+    load = mode is SliceMode.LOAD
+    describe = mode is SliceMode.DESCRIBE
+    for g, (plan, fg) in enumerate(zip(st.plans, st.groups)):
+        frozen = [f for f in fg.layout.fragments(fg.rank) if plan.opt_group[f.slot] < 0]
+        if not frozen:
+            continue
+        with contextlib.nullcontext() if describe else st._shards_resident([g], write_back=load):
+            shard = fg.shard
+            if describe and shard.numel() == 0:  # on NVMe: only its dtype and size matter
+                shard = torch.empty(fg.layout.shard_numel, dtype=fg.dtype, device="meta")
+            yield [
+                (Span(PARAM, fg.layout.slots[f.slot].name, f.start, f.end), shard[f.shard_offset : f.shard_offset + f.numel])
+                for f in frozen
+            ]
+
+    swapped = {} if st.swapper is None else {run[0]: k for k, run in enumerate(st.swapper.runs)}
+    write = None if st.params is None else st.params.write_piece
+    if load and st.params is not None:
+        st.params.settle()
+    masters = st.masters
+    for run in masters.runs:
+        k = swapped.get(run[0])
+        if k is not None and describe:
+            layout = st.swapper.run_layout(k)
+            states = {
+                i: {**_scalars(optimizer.state.get(masters.masters[i], {})),
+                    **{key: t for key, t in layout[i].items() if key != MASTER_KEY}}
+                for i in run
+            }  # fmt: skip
+            tensors = {i: layout[i][MASTER_KEY] for i in run}
+            yield _run_slices(st, run, tensors, states, with_all_scalars=False)
+            continue
+        resident = contextlib.nullcontext() if k is None else st.swapper.run_resident(k, optimizer, write_back=load)
+        with resident:
+            if load and optim_keys:
+                for i in run:
+                    create_optimizer_state(optimizer, masters.masters[i], optim_keys)
+            tensors = {i: masters.masters[i] for i in run}
+            states = {i: optimizer.state.get(masters.masters[i], {}) if (optim_keys or not load) else {} for i in run}
+            yield _run_slices(st, run, tensors, states, with_all_scalars=load)
+            if load:
+                masters.write_to_shards(run, write)
+    if load:
+        if st.params is not None:
+            st.params.finish_step()
+        for fg in st.groups:
+            if fg.persistent:
+                fg.regather()
+
+
+def _scalars(state: dict) -> dict:
+    return {key: v for key, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 0}
+
+
+def _run_slices(
+    st: ShardedState,
+    run: list[int],
+    tensors: dict[int, torch.Tensor],
+    states: dict[int, dict],
+    *,
+    with_all_scalars: bool,
+) -> list[Slice]:
+    out: list[Slice] = []
+    for i in run:
+        piece = st.masters.pieces[i]
+        flat = tensors[i].reshape(-1)
+        for name, start, end, offset in piece_spans(st.groups[piece.group], piece):
+            out.append((Span(MASTER, name, start, end), flat[offset : offset + end - start]))
+            out.extend(
+                optimizer_slices(states[i], name, start, end, offset, with_scalars=with_all_scalars or start == 0)
+            )
+    return out
