@@ -565,7 +565,7 @@ def test_require_built_lists_everything_at_once() -> None:
             "compression_training": {"sparse_pruning": {"shared_parameters": {"enabled": True}}},
             "pipeline": {"stages": 2},
             "sparse_gradients": True,
-            "checkpoint": {"async": True},
+            "checkpoint": {"async": True, "use_node_local_storage": True},
         }
     )
     settings = [p.split(": ", 1)[0] for p in problems]
@@ -574,7 +574,7 @@ def test_require_built_lists_everything_at_once() -> None:
         "activation_checkpointing.partition_activations=true",
         "activation_checkpointing.cpu_checkpointing=true",
         "flops_profiler.enabled=true",
-        "checkpoint.async=true",
+        "checkpoint.use_node_local_storage=true",
         "sparse_gradients=true",
         "pipeline.stages=2",
         "elasticity.enabled=true",

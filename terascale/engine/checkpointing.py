@@ -46,7 +46,9 @@ class Checkpointer:
         self._group: dist.ProcessGroup | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.last_stall_s = 0.0  # how long the last save kept training waiting
+        # How long the last save kept training waiting: the save call, plus (asynchronous
+        # saves) the optimizer step's wait for the write.
+        self.last_stall_s = 0.0
 
     def _coordination_group(self) -> dist.ProcessGroup:
         # Created on the first save, which every rank makes: new_group is collective.
@@ -91,7 +93,16 @@ class Checkpointer:
         manifest = self._manifest(tag) if rank == 0 else None
         path = directory.staging(tag) / shard_file_name(rank, world)
         if engine.config.checkpoint.async_save:
-            snap = snapshot(list(state.state_slices(optimizer, SliceMode.SAVE)) + [buffers])
+            # [Note: asynchronous saves] Parameters, masters and optimizer state change
+            # only in the optimizer step, which waits for the write (before_update), so
+            # the background thread writes them from where they live, without a copy,
+            # while forward and backward run. Buffers (forward may update them) are
+            # copied now; so is state swapped in from NVMe, whose files the step rewrites.
+            if engine.memory_breakdown()["nvme"] > 0:
+                chunks = snapshot(state.state_slices(optimizer, SliceMode.SAVE))
+            else:
+                chunks = [s for chunk in state.state_slices(optimizer, SliceMode.SAVE) for s in chunk]
+            snap = chunks + snapshot([buffers])
             self._thread = threading.Thread(
                 target=self._finish_in_background,
                 args=(directory, tag, path, described, [snap], info, manifest, save_latest, group),
@@ -103,6 +114,15 @@ class Checkpointer:
             self._finish(directory, tag, path, described, chunks, info, manifest, save_latest, group)
         self.last_stall_s = time.perf_counter() - started
         return tag
+
+    def before_update(self) -> None:
+        """Called before the optimizer step changes the state: let a background write of
+        it finish first (its error, if any, is raised by the next save, load or wait)."""
+        if self._thread is not None:
+            started = time.perf_counter()
+            self._thread.join()
+            self._thread = None
+            self.last_stall_s += time.perf_counter() - started
 
     def wait(self) -> None:
         """Wait for an asynchronous save in flight; raise its error if it failed."""

@@ -174,6 +174,7 @@ class Engine(nn.Module):
         self._state.zero_grad()
 
     def _optimizer_step(self) -> None:
+        self._checkpointer.before_update()  # an asynchronous save may still read the state
         scale = self.loss_scaler.scale
         norm = None
         clip = self.config.gradient_clipping
@@ -290,6 +291,12 @@ class Engine(nn.Module):
         state = self.full_state_dict()
         if self.dist.rank == 0:
             self.module.save_pretrained(str(save_dir), state_dict=state, **kwargs)
+
+    @property
+    def last_checkpoint_stall_s(self) -> float:
+        """Seconds the last :meth:`save_checkpoint` held training up: the call itself, plus
+        for an asynchronous save the next optimizer step's wait for the write."""
+        return self._checkpointer.last_stall_s
 
     def wait_for_checkpoint(self) -> None:
         """Wait for an asynchronous save in flight; raise its error if it failed."""
