@@ -19,9 +19,15 @@ setup: $(STAMP)
 test: $(STAMP)
 	$(VPY) -m pytest -q
 
+# Train (checkpoints every 50 steps), resume from step 100 in a fresh job and compare its
+# losses with the uninterrupted run, then consolidate the last checkpoint into one file.
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/terascale run --nproc 2 examples/train_gpt.py \
-		--config examples/configs/gpt_demo.json --out runs/demo
+		--config examples/configs/gpt_demo.json --out runs/demo --save-every 50
+	OMP_NUM_THREADS=1 $(VENV)/bin/terascale run --nproc 2 examples/train_gpt.py \
+		--config examples/configs/gpt_demo.json --out runs/demo_resume \
+		--resume-from runs/demo/checkpoints/global_step100 --compare-with runs/demo/metrics.json
+	$(VENV)/bin/terascale consolidate runs/demo/checkpoints runs/demo/model.safetensors --dtype bf16
 
 # The same training with optimizer state and parameters in swap files under runs/demo_nvme.
 demo-nvme: $(STAMP)

@@ -41,6 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sample-tokens", type=int, default=300, help="bytes to generate at the end")
     p.add_argument("--prompt", default="def ", help="prompt for the generated sample")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=0,
+                   help="save a checkpoint into OUT/checkpoints every N steps (0: never)")
+    p.add_argument("--resume-from", default=None,
+                   help="a checkpoint folder (or save directory, its 'latest') to resume training from")
+    p.add_argument("--compare-with", default=None,
+                   help="metrics.json of an uninterrupted run: report how far the resumed losses are from it")
     # Model shape; the defaults are the demo's ~11M-parameter GPT (tests shrink it).
     p.add_argument("--n-layer", type=int, default=DEMO_CONFIG.n_layer)
     p.add_argument("--n-head", type=int, default=DEMO_CONFIG.n_head)
@@ -150,19 +156,28 @@ def main(argv: list[str] | None = None) -> dict:
             flush=True,
         )
 
-    evals = [(0, evaluate(engine, held_out, engine.micro_batch_size, args.eval_batches))]
+    if args.resume_from:
+        path, _ = engine.load_checkpoint(args.resume_from)
+        if path is None:
+            raise SystemExit(f"--resume-from {args.resume_from}: no checkpoint there")
+        if is_main:
+            print(f"resumed from {path} at step {engine.global_steps}", flush=True)
+    start_step = engine.global_steps
+    evals = [(start_step, evaluate(engine, held_out, engine.micro_batch_size, args.eval_batches))]
     losses: list[float] = []
     step_times: list[float] = []
     mem: list[float] = []
-    bar = tqdm(total=steps, disable=not is_main, desc="train", unit="step", dynamic_ncols=True, mininterval=0.5)
-    epoch, batches = 0, iter(())
+    bar = tqdm(total=steps, initial=start_step, disable=not is_main, desc="train", unit="step", dynamic_ncols=True,
+               mininterval=0.5)  # fmt: skip
+    # A resumed run continues its epoch where the checkpoint's sampler position left it.
+    epoch, batches = loader.sampler.epoch, iter(loader)
     window_loss, t0 = 0.0, time.perf_counter()
     while engine.global_steps < steps:
         try:
             x, y = next(batches)
         except StopIteration:
-            loader.sampler.set_epoch(epoch)
             epoch += 1
+            loader.sampler.set_epoch(epoch)
             batches = iter(loader)
             continue
         loss = engine(x, y)
@@ -192,6 +207,12 @@ def main(argv: list[str] | None = None) -> dict:
             if is_main:
                 bar.write(f"step {engine.global_steps}: train loss {step_loss:.3f}, held-out loss {held:.3f}")
             t0 = time.perf_counter()  # evaluation time is not training time
+        if args.save_every and engine.global_steps % args.save_every == 0:
+            engine.save_checkpoint(Path(args.out) / "checkpoints")
+            if is_main:
+                bar.write(f"step {engine.global_steps}: checkpoint saved in {engine.last_checkpoint_stall_s:.2f} s "
+                          f"to {Path(args.out) / 'checkpoints'}")
+            t0 = time.perf_counter()
     bar.close()
 
     # Throughput excludes the first step (warm-up: allocator, lazy init, first collectives).
@@ -203,6 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
         "dtype": str(engine.precision.compute_dtype).removeprefix("torch."),
         "parameters": num_params,
         "steps": steps,
+        "start_step": start_step,
         "skipped_steps": engine.skipped_steps,
         "tokens_per_step": tokens_per_step,
         "first_loss": losses[0],
@@ -228,6 +250,12 @@ def main(argv: list[str] | None = None) -> dict:
         metrics["wall_time_s"] = time.perf_counter() - wall_start
         metrics["loss_curve"] = losses
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        if args.compare_with:
+            other = json.loads(Path(args.compare_with).read_text())
+            theirs = other["loss_curve"][start_step - other.get("start_step", 0) :][: len(losses)]
+            gap = max(abs(a - b) for a, b in zip(losses, theirs))
+            print(f"resumed at step {start_step}: the {len(theirs)} losses after it differ from the uninterrupted "
+                  f"run's by at most {gap:.3g}" + (" (bit for bit the same)" if gap == 0 else ""), flush=True)
         print(f"\n--- sample (prompt {args.prompt!r}) ---\n{sample}\n---", flush=True)
         print(
             f"loss {metrics['first_loss']:.3f} -> {metrics['final_loss']:.3f} (mean of last 10 steps); "

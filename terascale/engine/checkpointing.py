@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from terascale.checkpoint.directory import CheckpointDirectory, validate_tag
-from terascale.checkpoint.manifest import CheckpointError, Manifest, dtype_name, parse_dtype
+from terascale.checkpoint.manifest import MANIFEST, CheckpointError, Manifest, dtype_name, parse_dtype
 from terascale.checkpoint.reader import CheckpointReader
 from terascale.checkpoint.spans import BUFFER, MASTER, OPTIM, PARAM, OptimKey, ParamInfo, Slice, SliceMode, Span
 from terascale.checkpoint.writer import shard_file_name, snapshot, write_shard
@@ -237,7 +237,9 @@ class Checkpointer:
         """
         self.wait()
         engine = self.engine
-        folder = CheckpointDirectory(load_dir).resolve(tag)
+        root = Path(load_dir)
+        # A checkpoint folder itself, or a save directory with a tag (default: latest).
+        folder = root if tag is None and (root / MANIFEST).exists() else CheckpointDirectory(root).resolve(tag)
         if folder is None:
             logger.warning("no checkpoint to load: '%s' has no 'latest' file", load_dir)
             return None, None

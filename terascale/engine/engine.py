@@ -261,6 +261,9 @@ class Engine(nn.Module):
     ) -> tuple[str | None, Any]:
         """Restore a checkpoint written by :meth:`save_checkpoint` on any layout.
 
+        ``load_dir`` is a save directory (with ``tag``, default the one ``latest`` names)
+        or a checkpoint folder itself.
+
         Collective. Returns ``(path, client_state)``; ``(None, None)`` when ``load_dir``
         has no ``latest`` and no ``tag`` is given. ``load_module_only`` restores only
         parameters and buffers (optimizer, scheduler, counters, RNG and data position are
