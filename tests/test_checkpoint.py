@@ -85,7 +85,10 @@ def _save_rank(jobs: list[tuple[int, str | None, str]]) -> list[list[float]]:
     for stage, offload, folder in jobs:
         engine = _engine(world, stage, offload=offload)
         out.append(_train(engine, x, y, range(SAVE_AT)))
+        held = engine.memory_breakdown()["offload_buffers"]
         engine.save_checkpoint(folder)
+        # State on NVMe streams through the swap buffers a step uses: none are added.
+        assert engine.memory_breakdown()["offload_buffers"] == held
         engine.destroy()
     return out
 
@@ -97,9 +100,12 @@ def _load_rank(jobs: list[tuple[int, str | None, str]]) -> list[list[float]]:
     for stage, offload, folder in jobs:
         engine = _engine(world, stage, seed=7, offload=offload)  # other weights: all must come from the file
         path, client = engine.load_checkpoint(folder)
+        loading = engine.memory_breakdown()["offload_buffers"]
         assert path is not None and path.endswith(f"global_step{SAVE_AT}"), path
         assert engine.global_steps == SAVE_AT
         out.append(_train(engine, x, y, range(SAVE_AT, STEPS)))
+        # State on NVMe streams in through the swap buffers a step uses: no more of them.
+        assert loading <= engine.memory_breakdown()["offload_buffers"], (loading, engine.memory_breakdown())
         engine.destroy()
     return out
 

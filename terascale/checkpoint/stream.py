@@ -110,7 +110,8 @@ class SafetensorsStream:
         self._offset = self._data_start  # file offset of _buf[0]
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
-        """Append ``tensor`` (any device, contiguous or not) as entry ``key``."""
+        """Append ``tensor`` (any device, contiguous or not) as entry ``key``. Its bytes
+        are copied into a staging buffer before this returns: it may change right after."""
         assert self._next < len(self.entries), f"{self.path}: more tensors than entries"
         entry = self.entries[self._next]
         if key != entry.key or tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:

@@ -20,7 +20,7 @@ def write_shard(path: Path, described: list[Slice], chunks: Iterable[list[Slice]
     ``meta``) into ``path``, taking their values from ``chunks`` (the same spans in the
     same order, one resident chunk at a time). Flushed to the device on return."""
     entries = [TensorEntry(span.tensor_key, t.dtype, (span.numel,)) for span, t in described]
-    stream = SafetensorsStream(path, entries, aio, metadata={"format": "pt"})
+    stream = SafetensorsStream(path, entries, aio, metadata={"format": "pt"}, buffer_bytes=32 << 20, buffer_count=4)
     try:
         for chunk in chunks:
             for span, t in chunk:
