@@ -419,3 +419,38 @@ def test_consolidation_gives_state_dicts_that_plain_models_and_from_pretrained_l
                 # from_pretrained loads in the dtype its config names: the masters cast to it.
                 torch.testing.assert_close(v, want["gpt2"][k].to(v.dtype), rtol=0, atol=0, msg=f"{folder}: {k}")
     assert main(["consolidate", str(tmp_path / "toy"), str(tmp_path / "x"), "--hf"]) == 2  # not a HF model
+
+
+_FULL_DISK_SAVE = r"""
+import resource, signal, sys, torch, terascale
+from terascale.checkpoint import CheckpointError
+root = sys.argv[1]
+model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "zero_optimization": {"stage": 2}}
+engine, *_ = terascale.initialize(model=model, config=config)
+loss = engine(torch.randn(2, 256)).square().mean(); engine.backward(loss); engine.step()
+engine.save_checkpoint(root, tag="good")
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))  # files up to 1 MiB: a full disk
+try:
+    engine.save_checkpoint(root, tag="bad")
+except CheckpointError as exc:
+    print("ERROR", exc)
+"""
+
+
+def test_a_save_that_runs_out_of_space_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path):
+    from terascale.checkpoint import CheckpointDirectory, consolidated_state_dict
+
+    root = tmp_path / "ckpt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _FULL_DISK_SAVE, str(root)], capture_output=True, text=True, env=env,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ERROR saving checkpoint 'bad' failed" in proc.stdout, proc.stdout
+    assert "rank00000-of-00001.safetensors" in proc.stdout and "earlier checkpoints are untouched" in proc.stdout
+    directory = CheckpointDirectory(root)
+    assert directory.latest() == "good" and directory.tags() == ["good"]
+    assert not (root / ".bad.partial").exists()
+    assert len(consolidated_state_dict(directory.resolve(None))) == 8
