@@ -81,7 +81,9 @@ class SafetensorsStream:
     order, then :meth:`close`, which flushes the file to the device (``fsync``).
 
     At most ``buffer_count`` staging buffers of ``buffer_bytes`` are in memory at once,
-    whatever the file's size. Any error leaves a file that must be considered unwritten.
+    whatever the file's size; or the buffers of ``pool``, which a caller writing many
+    files keeps between them (allocating and first touching the pages costs about as much
+    as copying the bytes into them). Any error leaves a file that must be considered unwritten.
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class SafetensorsStream:
         metadata: dict[str, str] | None = None,
         buffer_bytes: int = 16 << 20,
         buffer_count: int = 3,
+        pool: BufferPool | None = None,
     ) -> None:
         self.path = Path(path)
         self.entries = list(entries)
@@ -101,8 +104,10 @@ class SafetensorsStream:
         self._data_start = len(head)
         self.nbytes = len(head) + sum(e.nbytes for e in self.entries)
         self._next = 0  # index of the next entry to write
-        self._pool = BufferPool(max(2, buffer_count))
-        self._pool.reserve(max(ALIGNMENT, round_up(buffer_bytes)))
+        if pool is None:
+            pool = BufferPool(max(2, buffer_count))
+            pool.reserve(max(ALIGNMENT, round_up(buffer_bytes)))
+        self._pool = pool
         self._writes = WriteBehind(self._pool, aio)
         with open(self.path, "wb") as f:  # a fresh file: nothing of an older one survives
             f.write(head)

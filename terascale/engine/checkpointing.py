@@ -29,8 +29,9 @@ from terascale.checkpoint.directory import CheckpointDirectory, validate_tag
 from terascale.checkpoint.manifest import MANIFEST, CheckpointError, Manifest, dtype_name, parse_dtype
 from terascale.checkpoint.reader import CheckpointReader
 from terascale.checkpoint.spans import BUFFER, MASTER, OPTIM, PARAM, OptimKey, ParamInfo, Slice, SliceMode, Span
-from terascale.checkpoint.writer import shard_file_name, snapshot, write_shard
+from terascale.checkpoint.writer import shard_file_name, snapshot, staging_pool, write_shard
 from terascale.offload.aio import AioOptions, AsyncIO
+from terascale.offload.swap import BufferPool
 
 if TYPE_CHECKING:
     from terascale.engine.engine import Engine
@@ -52,9 +53,27 @@ class Checkpointer:
         self._group: dist.ProcessGroup | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._aio: AsyncIO | None = None
+        self._pool: BufferPool | None = None
         # How long the last save kept training waiting: the save call, plus (asynchronous
         # saves) the optimizer step's wait for the write.
         self.last_stall_s = 0.0
+
+    def _writer(self) -> tuple[AsyncIO, BufferPool]:
+        # Kept from save to save: a fresh pool's first touch of its pages costs as much as
+        # the copy into it. One save uses them at a time; close() gives them back.
+        if self._aio is None:
+            self._aio, self._pool = AsyncIO(_WRITE_OPTIONS), staging_pool()
+        return self._aio, self._pool
+
+    def close(self) -> None:
+        """Finish a save in flight and release the writer's threads and staging buffers."""
+        try:
+            self.wait()
+        finally:
+            if self._aio is not None:
+                self._aio.close()
+            self._aio = self._pool = None
 
     def _coordination_group(self) -> dist.ProcessGroup:
         # Created on the first save, which every rank makes: new_group is collective.
@@ -156,8 +175,8 @@ class Checkpointer:
         path = directory.staging(tag) / shard_file_name(info.rank, info.world)
         shard = None
         try:
-            with AsyncIO(_WRITE_OPTIONS) as aio:
-                shard = write_shard(path, job.described, job.chunks, aio)
+            aio, pool = self._writer()
+            shard = write_shard(path, job.described, job.chunks, aio, pool)
         except Exception as exc:
             error = f"rank {info.rank} writing '{path}': {exc}"
         gathered: list[Any] = [None] * info.world if info.rank == 0 else []

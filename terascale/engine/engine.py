@@ -388,7 +388,7 @@ class Engine(nn.Module):
     def destroy(self) -> None:
         """Finish a checkpoint save in flight, remove hooks and close monitors (the engine
         is unusable afterwards)."""
-        self._checkpointer.wait()
+        self._checkpointer.close()
         self._state.remove_hooks()
         for m in self._monitors:
             m.close()
