@@ -37,16 +37,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _drop_cache(folder: Path) -> None:
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def _fsync_tree(folder: Path) -> None:
     for path in folder.rglob("*"):
         if path.is_file():
@@ -76,6 +66,11 @@ def main() -> None:
     spec = importlib.util.spec_from_file_location("bench_aio", ROOT / "bench" / "aio.py")
     aio_bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(aio_bench)
+
+    def drop_cache(folder: Path) -> None:  # bench/aio.py's, for every file of a checkpoint
+        for path in folder.rglob("*"):
+            if path.is_file():
+                aio_bench._drop_cache(path)
 
     def engine_for(async_save: bool):
         torch.manual_seed(0)
@@ -125,7 +120,7 @@ def main() -> None:
                 save = time.perf_counter() - t  # wall time until the files are complete
             else:
                 save = call
-            _drop_cache(folder)
+            drop_cache(folder)
             t = time.perf_counter()
             engine.load_checkpoint(folder, tag="t")
             load = time.perf_counter() - t
@@ -139,7 +134,7 @@ def main() -> None:
                 dcp.save(state, checkpoint_id=str(folder))
             _fsync_tree(folder)
             save = time.perf_counter() - t
-            _drop_cache(folder)
+            drop_cache(folder)
             t = time.perf_counter()
             if system == "torch.save":
                 loaded = torch.load(folder / "state.pt", weights_only=True)

@@ -27,10 +27,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def _folder(path: str | os.PathLike, tag: str | None) -> Path:
     """A checkpoint folder: ``path`` itself, or ``path/<tag>`` (default: ``latest``)."""
-    path = Path(path)
-    if (path / "manifest.json").exists() and tag is None:
-        return path
-    folder = CheckpointDirectory(path).resolve(tag)
+    folder = CheckpointDirectory.find(path, tag)
     if folder is None:
         raise CheckpointError(f"'{path}' holds no checkpoint: no manifest.json and no 'latest' file")
     return folder
@@ -48,15 +45,16 @@ def _entries(m: Manifest, *, with_aliases: bool) -> list[tuple[str, str, str, Pa
     return out
 
 
+def _stored_dtype(key: str, info: ParamInfo) -> torch.dtype:
+    """Masters are fp32; frozen parameters and buffers keep the dtype the manifest records."""
+    return torch.float32 if key == MASTER else info.dtype
+
+
 def _tensors(
     reader: CheckpointReader, dtype: torch.dtype | None, *, with_aliases: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    m = reader.manifest
-    for out_name, key, name, info in _entries(m, with_aliases=with_aliases):
-        stored = torch.float32 if key == MASTER else info.dtype
-        if not reader.has(key, name) and key == PARAM and reader.has(MASTER, name):
-            key, stored = MASTER, torch.float32
-        t = reader.read(key, name, info.numel, stored).view(info.shape)
+    for out_name, key, name, info in _entries(reader.manifest, with_aliases=with_aliases):
+        t = reader.read(key, name, info.numel, _stored_dtype(key, info)).view(info.shape)
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         yield out_name, t
@@ -96,7 +94,7 @@ def write_consolidated(
         m = reader.manifest
         entries = []
         for out_name, key, _, info in _entries(m, with_aliases=with_aliases):
-            stored = torch.float32 if key == MASTER else info.dtype
+            stored = _stored_dtype(key, info)
             if dtype is not None and stored.is_floating_point:
                 stored = dtype
             entries.append(TensorEntry(out_name, stored, tuple(info.shape)))

@@ -100,6 +100,15 @@ class CheckpointDirectory:
         except FileNotFoundError:
             return None
 
+    @staticmethod
+    def find(path: str | os.PathLike, tag: str | None) -> Path | None:
+        """A checkpoint folder: ``path`` itself when it is one and no tag is given, else
+        :meth:`resolve` ``tag`` in the save directory ``path``."""
+        path = Path(path)
+        if tag is None and (path / MANIFEST).exists():
+            return path
+        return CheckpointDirectory(path).resolve(tag)
+
     def resolve(self, tag: str | None) -> Path | None:
         """The folder of ``tag`` (default: the one ``latest`` names); None when no tag was
         given and there is no ``latest``. A missing tag is an error listing those present."""

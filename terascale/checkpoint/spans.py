@@ -22,6 +22,7 @@ one chunk, so saving and loading never hold more of the state in memory than a s
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 import torch
@@ -136,7 +137,4 @@ class ParamInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)

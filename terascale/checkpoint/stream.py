@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import struct
 from collections.abc import Sequence
@@ -55,10 +56,7 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _header(entries: Sequence[TensorEntry], metadata: dict[str, str] | None) -> bytes:

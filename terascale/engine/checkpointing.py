@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from terascale.checkpoint.directory import CheckpointDirectory, validate_tag
-from terascale.checkpoint.manifest import MANIFEST, CheckpointError, Manifest, dtype_name, parse_dtype
+from terascale.checkpoint.manifest import CheckpointError, Manifest, dtype_name, parse_dtype
 from terascale.checkpoint.reader import CheckpointReader
 from terascale.checkpoint.spans import BUFFER, MASTER, OPTIM, PARAM, OptimKey, ParamInfo, Slice, SliceMode, Span
 from terascale.checkpoint.writer import shard_file_name, snapshot, staging_pool, write_shard
@@ -259,16 +259,15 @@ class Checkpointer:
         """
         self.wait()
         engine = self.engine
-        root = Path(load_dir)
-        # A checkpoint folder itself, or a save directory with a tag (default: latest).
-        folder = root if tag is None and (root / MANIFEST).exists() else CheckpointDirectory(root).resolve(tag)
+        folder = CheckpointDirectory.find(load_dir, tag)
         if folder is None:
             logger.warning("no checkpoint to load: '%s' has no 'latest' file", load_dir)
             return None, None
         with_optim = load_optimizer_states and not load_module_only
+        buffers = _persistent_buffers(engine)
         with CheckpointReader(folder) as reader:
             m = reader.manifest
-            _check_fits(folder, m, engine._state.checkpoint_params(), _persistent_buffers(engine))
+            _check_fits(folder, m, engine._state.checkpoint_params(), buffers)
             optim_keys = None
             if with_optim:
                 _check_optimizer(folder, m, engine.optimizer)
@@ -278,7 +277,7 @@ class Checkpointer:
             for chunk in engine._state.state_slices(engine.optimizer, SliceMode.LOAD, optim_keys):
                 for span, t in chunk:
                     _read(reader, span, t)
-            for name, b in _persistent_buffers(engine).items():
+            for name, b in buffers.items():
                 reader.read_into(Span(BUFFER, name, 0, b.numel()), b.data)
         if not load_module_only:
             _restore_engine(engine, m.engine, optimizer=with_optim, scheduler=load_lr_scheduler_states)

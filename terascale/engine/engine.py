@@ -246,8 +246,9 @@ class Engine(nn.Module):
         named parameters, so the checkpoint loads on any number of ranks, at any ZeRO
         stage, offloaded or not. The write is atomic: a failure or crash leaves earlier
         checkpoints and ``latest`` as they were. ``client_state`` (any picklable dict)
-        comes back from :meth:`load_checkpoint`. With ``checkpoint.async`` the state is
-        copied to host memory and written in the background (see :meth:`wait_for_checkpoint`).
+        comes back from :meth:`load_checkpoint`. With ``checkpoint.async`` the call returns
+        at once and the files are written in the background; the next optimizer step waits
+        for the write (see :meth:`wait_for_checkpoint`).
         """
         return self._checkpointer.save(save_dir, tag, client_state, save_latest)
 

@@ -191,8 +191,7 @@ class OptimizerSwapper:
             self._bind(k, buf, optimizer)
             yield
             if write_back:
-                fresh = self._relayout(k, buf, optimizer)
-                buf = fresh  # _relayout gave ``buf`` back if it made a new one
+                buf = self._relayout(k, buf, optimizer)  # gives ``buf`` back if it made a new one
                 self.aio.sync_write(buf[: self._nbytes[k]], self._file(k))
         finally:
             self._unbind(k, optimizer)
