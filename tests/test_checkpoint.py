@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -78,12 +76,12 @@ def _train(engine, x, y, steps: range) -> list[float]:
 # -- resharding ---------------------------------------------------------------------------------
 
 
-def _save_rank(jobs: list[tuple[int, str | None, str]]) -> list[list[float]]:
+def _save_rank(jobs: list[tuple[int, str | None, int, str]]) -> list[list[float]]:
     world = int(os.environ["WORLD_SIZE"])
     x, y = make_data(STEPS, GLOBAL_BATCH)
     out = []
-    for stage, offload, folder in jobs:
-        engine = _engine(world, stage, offload=offload)
+    for stage, offload, gas, folder in jobs:
+        engine = _engine(world, stage, offload=offload, gas=gas)
         out.append(_train(engine, x, y, range(SAVE_AT)))
         held = engine.memory_breakdown()["offload_buffers"]
         engine.save_checkpoint(folder)
@@ -93,12 +91,12 @@ def _save_rank(jobs: list[tuple[int, str | None, str]]) -> list[list[float]]:
     return out
 
 
-def _load_rank(jobs: list[tuple[int, str | None, str]]) -> list[list[float]]:
+def _load_rank(jobs: list[tuple[int, str | None, int, str]]) -> list[list[float]]:
     world = int(os.environ["WORLD_SIZE"])
     x, y = make_data(STEPS, GLOBAL_BATCH)
     out = []
-    for stage, offload, folder in jobs:
-        engine = _engine(world, stage, seed=7, offload=offload)  # other weights: all must come from the file
+    for stage, offload, gas, folder in jobs:
+        engine = _engine(world, stage, seed=7, offload=offload, gas=gas)  # other weights: all must come from the file
         path, client = engine.load_checkpoint(folder)
         loading = engine.memory_breakdown()["offload_buffers"]
         assert path is not None and path.endswith(f"global_step{SAVE_AT}"), path
@@ -113,20 +111,21 @@ def _load_rank(jobs: list[tuple[int, str | None, str]]) -> list[list[float]]:
 def test_checkpoints_reshard_at_load_and_continue_the_trajectory(tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    # (saved on world, stage, offload) -> (loaded on world, stage, offload)
+    # (saved on world, stage, offload, accumulation) -> (loaded on world, stage, offload, accumulation);
+    # the global batch stays 8, so fewer ranks accumulate over more micro-batches.
     matrix = [
-        ((2, 3, None), (1, 0, None)),  # 2 -> 1 ranks, stage 3 -> 0
-        ((2, 0, None), (4, 3, None)),  # 2 -> 4, stage 0 -> 3
-        ((1, 2, None), (2, 1, None)),  # 1 -> 2, stage 2 -> 1
-        ((2, 3, str(nvme)), (2, 2, None)),  # offloaded -> not
-        ((2, 2, None), (2, 3, str(nvme))),  # not -> offloaded
+        ((2, 3, None, 2), (1, 0, None, 4)),  # 2 -> 1 ranks, stage 3 -> 0, accumulation 2 -> 4
+        ((2, 0, None, 1), (4, 3, None, 1)),  # 2 -> 4, stage 0 -> 3
+        ((1, 2, None, 4), (2, 1, None, 1)),  # 1 -> 2, stage 2 -> 1, accumulation 4 -> 1
+        ((2, 3, str(nvme), 1), (2, 2, None, 2)),  # offloaded -> not, accumulation 1 -> 2
+        ((2, 2, None, 1), (2, 3, str(nvme), 1)),  # not -> offloaded
     ]
     folders = [str(tmp_path / f"ckpt{i}") for i in range(len(matrix))]
     saves: dict[int, list] = {}
     loads: dict[int, list] = {}
-    for i, ((sw, ss, so), (lw, ls, lo)) in enumerate(matrix):
-        saves.setdefault(sw, []).append((i, (ss, so, folders[i])))
-        loads.setdefault(lw, []).append((i, (ls, lo, folders[i])))
+    for i, ((sw, ss, so, sg), (lw, ls, lo, lg)) in enumerate(matrix):
+        saves.setdefault(sw, []).append((i, (ss, so, sg, folders[i])))
+        loads.setdefault(lw, []).append((i, (ls, lo, lg, folders[i])))
     ref, _ = reference_train(STEPS, GLOBAL_BATCH, lr=LR, weight_decay=WD, clip=0.0)
     for world, jobs in saves.items():
         results = run_ranks(_save_rank, world, [j for _, j in jobs])
@@ -302,45 +301,80 @@ def test_checkpoint_files_retention_and_errors(tmp_path):
     assert "unexpected (not in the model):" in msg and "head.weight" in msg
 
 
-# -- a save killed at a random moment ----------------------------------------------------------
+# -- a save killed at any moment -----------------------------------------------------------------
 
+# [Note: kill points] The saves are killed at points the process itself counts, not after
+# a sleep: every file-system call a save makes (Python's audit events for open, rename,
+# remove, mkdir, rmtree) and every data write (os.pwritev, which the I/O engine looks up at
+# each call) is a point, and the script SIGKILLs itself at the N-th one. The same points
+# happen whatever the machine's speed, so each kill lands where the test says.
 _KILLED_SAVE = r"""
-import sys, torch, terascale
-root = sys.argv[1]
+import os, signal, sys, threading
+import torch, terascale
+root, kill_at = sys.argv[1], int(sys.argv[2])
+EVENTS = {"open", "os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree", "os.truncate"}
+lock = threading.Lock()
+points = {"armed": False, "count": 0}
+def point():
+    with lock:
+        if points["armed"]:
+            points["count"] += 1
+            if points["count"] == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+sys.addaudithook(lambda event, args: point() if event in EVENTS else None)
+_pwritev = os.pwritev
+def pwritev(*args):
+    point()
+    return _pwritev(*args)
+os.pwritev = pwritev
 torch.manual_seed(0)
-model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(16)])
+model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
 config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
           "zero_optimization": {"stage": 2}}
 engine, *_ = terascale.initialize(model=model, config=config)
 def step():
-    loss = engine(torch.randn(2, 512)).square().mean()
+    loss = engine(torch.randn(2, 256)).square().mean()
     engine.backward(loss)
     engine.step()
 step()
 engine.save_checkpoint(root, tag="first")
 step()
-print("saving", flush=True)
-for i in range(20):
-    engine.save_checkpoint(root, tag=f"second{i}")
-    engine.save_checkpoint(root, tag="first")  # replacing a tag: the old folder is swapped out
-print("done", flush=True)
+points["armed"] = True
+engine.save_checkpoint(root, tag="second")
+engine.save_checkpoint(root, tag="first")  # replacing a tag: the old folder is swapped out
+points["armed"] = False
+print(points["count"], flush=True)
 """
 
+KILL_POINTS = 10
 
-@pytest.mark.parametrize("seed", range(4))
-def test_a_save_killed_at_any_moment_leaves_a_loadable_checkpoint(tmp_path, seed):
+
+def _run_saves(root: Path, kill_at: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(root), str(kill_at)], capture_output=True, text=True, env=env)
+
+
+@pytest.fixture(scope="module")
+def save_points(tmp_path_factory) -> int:
+    """How many kill points the two saves pass (a run that is not killed counts them)."""
+    done = _run_saves(tmp_path_factory.mktemp("count") / "ckpt", 0)
+    assert done.returncode == 0, done.stderr
+    count = int(done.stdout.split()[-1])
+    assert count >= 2 * KILL_POINTS, f"only {count} points in two saves"
+    return count
+
+
+@pytest.mark.parametrize("which", range(KILL_POINTS))
+def test_a_save_killed_at_any_moment_leaves_a_loadable_checkpoint(tmp_path, which, save_points):
     from terascale.checkpoint import CheckpointDirectory, consolidated_state_dict
 
     root = tmp_path / "ckpt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, str(root)], stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout.readline().strip() == "saving"
-    time.sleep(random.Random(seed).uniform(0.0, 1.5))
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL, "the saves finished before the kill: nothing was tested"
+    kill_at = 1 + which * save_points // KILL_POINTS  # spread over both saves, first to last
+    done = _run_saves(root, kill_at)
+    assert done.returncode == -signal.SIGKILL, f"not killed at point {kill_at} of {save_points}: {done.stderr}"
     folder = CheckpointDirectory(root).resolve(None)  # what `latest` names (or its swapped-out copy)
     state = consolidated_state_dict(folder)
-    assert len(state) == 32 and all(torch.isfinite(t).all() for t in state.values())
+    assert len(state) == 16 and all(torch.isfinite(t).all() for t in state.values())
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["engine"]["global_steps"] in (1, 2)
 

@@ -412,7 +412,10 @@ def _engine_state(engine: Engine) -> dict[str, Any]:
 
 def _restore_engine(engine: Engine, state: dict[str, Any], *, optimizer: bool, scheduler: bool) -> None:
     engine.global_steps = int(state["global_steps"])
-    engine.micro_steps = int(state["micro_steps"])
+    # Checkpoints are taken at accumulation boundaries; the resumed job may accumulate
+    # over another number of micro-batches (same global batch on fewer ranks), so its
+    # first window starts here and spans its own gradient_accumulation_steps.
+    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps
     engine.global_samples = int(state["global_samples"])
     engine.skipped_steps = int(state["skipped_steps"])
     engine.loss_scaler.load_state_dict(state["loss_scaler"])
