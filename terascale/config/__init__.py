@@ -6,8 +6,9 @@ that ask for features this version does not provide yet.
 """
 
 from terascale.config.args import add_config_arguments
+from terascale.config.auto import AutoContext, Given
 from terascale.config.batch import BatchSizes
 from terascale.config.errors import ConfigError
 from terascale.config.schema import Config
 
-__all__ = ["BatchSizes", "Config", "ConfigError", "add_config_arguments"]
+__all__ = ["AutoContext", "BatchSizes", "Config", "ConfigError", "Given", "add_config_arguments"]

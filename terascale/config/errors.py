@@ -163,7 +163,7 @@ def _describe(root: type[BaseModel], err: dict[str, Any]) -> str:
     if kind in _EXPECTED:
         hint = ""
         if value == "auto":
-            hint = " ('auto' is filled in by the Hugging Face Trainer integration; give a value)"
+            hint = " ('auto' stands for a whole value, not a part of one; give a value)"
         return f"expected {_EXPECTED[kind]}, got {_show(value)}{hint}"
     if kind in _BOUNDS:
         bound = next(iter(err.get("ctx", {}).values()), "?")

@@ -10,20 +10,19 @@ setting that asks for a feature this version does not provide.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from terascale.config.auto import AutoContext, Resolved, find_autos, resolve_autos, without
 from terascale.config.batch import BatchSizes, resolve_batch_sizes
 from terascale.config.errors import ConfigError, from_validation_error
+from terascale.config.legacy import upgrade_legacy
 from terascale.config.section import TORCH_DTYPES, DtypeName, Section, normalize_dtype_name
+from terascale.config.source import read_source
 from terascale.config.zero import AioConfig, ZeroConfig
 
 LooseSection = dict[str, Any] | None
@@ -266,19 +265,18 @@ class Config(Section):
     def _seq_comm_dtype(cls, value: Any) -> Any:
         return normalize_dtype_name(value, allow_none=False)
 
-    @field_validator("zero_optimization", mode="before")
-    @classmethod
-    def _legacy_zero_bool(cls, value: Any) -> Any:
-        # DeepSpeed's oldest format: "zero_optimization": true means stage 1.
-        if isinstance(value, bool):
-            return {"stage": 1 if value else 0}
-        return value
-
     @model_validator(mode="after")
     def _one_precision(self) -> Config:
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError(_BOTH_PRECISIONS)
         return self
+
+    # What loading saw besides the typed values (see [Note: auto values]).
+    _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
+    _autos: tuple[str, ...] = PrivateAttr(default=())
+    _notes: tuple[str, ...] = PrivateAttr(default=())
+    _resolved: tuple[Resolved, ...] = PrivateAttr(default=())
+    _label: str | None = PrivateAttr(default=None)
 
     # ---- loading -------------------------------------------------------------------
 
@@ -286,28 +284,26 @@ class Config(Section):
     def load(cls, source: Config | Mapping[str, Any] | str | os.PathLike[str]) -> Config:
         """Validate ``source`` into a Config.
 
-        ``source`` is a Config (returned as is), a dict, a path to a JSON file, a JSON
-        string, or base64-encoded JSON (what DeepSpeed's launcher passes). Raises
-        ConfigError listing every problem, each with its full key path.
+        ``source`` is a Config (returned as is), a dict, a path to a JSON (or hjson) file,
+        a JSON string, or base64-encoded JSON (what DeepSpeed's launcher passes). Legacy
+        spellings are rewritten (:attr:`notes` says how); ``"auto"`` values are read as
+        absent and listed in :attr:`auto_keys` until :meth:`resolve` gives them values.
+        Raises ConfigError listing every problem, each with its full key path.
         """
         if isinstance(source, Config):
             return source
-        label: str | None = None
-        if isinstance(source, Mapping):
-            data: Any = dict(source)
-        elif isinstance(source, os.PathLike):
-            label = os.fspath(source)
-            data = _read_json_file(Path(source))
-        elif isinstance(source, str):
-            data, label = _parse_string(source)
-        else:
-            raise ConfigError(
-                f"expected a path, a dict, a JSON string or a Config, got {type(source).__name__}"
-            )
-        if not isinstance(data, dict):
-            raise ConfigError(
-                f"the top level must be a JSON object, got {type(data).__name__}", source=label
-            )
+        data, label = read_source(source)
+        try:
+            data, notes = upgrade_legacy(data)
+        except ConfigError as err:
+            raise ConfigError(err.problems, source=label) from None
+        autos = find_autos(data, skip=_LOOSE_SECTIONS)
+        cfg = cls._validate(without(data, autos), label)
+        cfg._raw, cfg._autos, cfg._notes, cfg._label = data, tuple(autos), tuple(notes), label
+        return cfg
+
+    @classmethod
+    def _validate(cls, data: dict[str, Any], label: str | None) -> Config:
         try:
             return cls.model_validate(data)
         except ValidationError as err:
@@ -315,6 +311,45 @@ class Config(Section):
             # on the raw dict so the user still sees every problem in one pass.
             extra = [_BOTH_PRECISIONS] if _both_precisions_raw(data) else []
             raise from_validation_error(cls, err, source=label, extra=extra) from None
+
+    def resolve(self, context: AutoContext) -> Config:
+        """This config with every ``"auto"`` given its value (``[Note: auto values]``), and
+        explicit values checked against those an integration gives.
+
+        Returns ``self`` when there is nothing to resolve. Raises ConfigError naming each
+        ``"auto"`` that cannot be derived and what would set it.
+        """
+        if not self._autos and not context.given:
+            return self
+        try:
+            data, done = resolve_autos(self._raw, self._autos, context)
+        except ConfigError as err:
+            raise ConfigError(err.problems, source=self._label) from None
+        cfg = type(self)._validate(data, self._label)
+        cfg._raw, cfg._notes, cfg._label = data, self._notes, self._label
+        cfg._resolved = self._resolved + tuple(done)
+        return cfg
+
+    def __eq__(self, other: object) -> bool:
+        # Equal settings are equal configs, whatever file or spelling they came from.
+        return type(other) is type(self) and self.__dict__ == other.__dict__ and self._autos == other._autos
+
+    __hash__ = Section.__hash__
+
+    @property
+    def auto_keys(self) -> tuple[str, ...]:
+        """Key paths whose value is still ``"auto"`` (empty once :meth:`resolve` ran)."""
+        return self._autos
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """One line per legacy spelling that loading rewrote."""
+        return self._notes
+
+    @property
+    def resolved(self) -> tuple[Resolved, ...]:
+        """Every ``"auto"`` that :meth:`resolve` gave a value, with why that value."""
+        return self._resolved
 
     def to_dict(self) -> dict[str, Any]:
         """The config as a JSON-ready dict with DeepSpeed's key names (aliases)."""
@@ -372,47 +407,5 @@ class Config(Section):
         return self
 
 
-def _duplicate_keys_refused(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # json keeps the last of two equal keys; a user who wrote both meant one of them,
-    # so refuse rather than guess (DeepSpeed refuses too).
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ConfigError(f"{key}: given twice in the same JSON object; keep one")
-        out[key] = value
-    return out
-
-
-def _loads(text: str, label: str | None) -> Any:
-    try:
-        return json.loads(text, object_pairs_hook=_duplicate_keys_refused)
-    except json.JSONDecodeError as err:
-        raise ConfigError(
-            f"not valid JSON: {err.msg} at line {err.lineno} column {err.colno}", source=label
-        ) from None
-    except ConfigError as err:
-        raise ConfigError(err.problems, source=label) from None
-
-
-def _read_json_file(path: Path) -> Any:
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    return _loads(path.read_text(encoding="utf-8"), str(path))
-
-
-def _parse_string(text: str) -> tuple[Any, str | None]:
-    """Parse a JSON string, a path to a JSON file, or base64 JSON; return (data, label)."""
-    stripped = text.strip()
-    if stripped.startswith("{"):
-        return _loads(stripped, None), None
-    if os.path.exists(text):
-        return _read_json_file(Path(text)), text
-    try:
-        decoded = base64.urlsafe_b64decode(stripped.encode("ascii")).decode("utf-8")
-    except (binascii.Error, UnicodeError, ValueError):
-        decoded = ""
-    if decoded.strip().startswith("{"):
-        return _loads(decoded, "base64 config"), "base64 config"
-    raise ConfigError(
-        f"config file {text!r} does not exist (and the string is not JSON or base64 JSON)"
-    )
+# Top-level sections kept as plain dicts: an "auto" inside one is data, not a request.
+_LOOSE_SECTIONS = frozenset(name for name, f in Config.model_fields.items() if f.annotation == LooseSection)

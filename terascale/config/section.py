@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import types
+import typing
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import AliasChoices, BaseModel, ConfigDict, model_validator
 
 DtypeName = Literal["fp32", "fp16", "bf16"]
 
@@ -40,6 +42,21 @@ class Section(BaseModel):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_from_strings(cls, data: Any) -> Any:
+        # Published configs write sizes as strings ("5e8"); where a key takes a number and
+        # no string, such a string is read as the number it spells (5e8 -> 500000000).
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for key, value in data.items():
+            if isinstance(value, str):
+                kinds = _number_kinds(cls, key)
+                if kinds:
+                    out[key] = _parse_number(value, int in kinds and float not in kinds)
+        return out
+
 
 def normalize_dtype_name(value: Any, *, allow_none: bool = True) -> DtypeName | None:
     """Map a DeepSpeed dtype spelling ('float16', 'torch.bfloat16', ...) to 'fp32'|'fp16'|'bf16'.
@@ -65,3 +82,34 @@ def normalize_dtype_name(value: Any, *, allow_none: bool = True) -> DtypeName | 
         f"expected one of 'fp32', 'fp16', 'bf16' (or a spelling such as 'float16', "
         f"'bfloat16', 'half'), got {value!r}"
     )
+
+
+def _annotation_types(annotation: Any) -> set[Any]:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return {t for arg in typing.get_args(annotation) for t in _annotation_types(arg)}
+    return {annotation}
+
+
+def _number_kinds(model: type[BaseModel], key: str) -> set[type]:
+    """{int} / {float} / {int, float} when ``key`` of ``model`` takes numbers and no strings."""
+    for name, field in model.model_fields.items():
+        alias = field.validation_alias
+        spellings = {name, field.alias, alias} | (set(alias.choices) if isinstance(alias, AliasChoices) else set())
+        if key in spellings:
+            kinds = _annotation_types(field.annotation)
+            if str in kinds or any(typing.get_origin(k) is Literal for k in kinds):
+                return set()
+            return {k for k in kinds if k in (int, float)}
+    return set()
+
+
+def _parse_number(text: str, integer: bool) -> Any:
+    """The number ``text`` spells (``"5e8"``, ``"1_000"``, ``" 0.1 "``), else ``text`` itself
+    (validation then reports it)."""
+    try:
+        number = float(text.strip().replace("_", ""))
+    except ValueError:
+        return text
+    if integer and number.is_integer():
+        return int(number)
+    return number

@@ -55,8 +55,11 @@ class Engine(nn.Module):
         wrap_policy: WrapPolicy | None = None,
     ) -> None:
         super().__init__()
+        assert not config.auto_keys, f"resolve the config's 'auto' values first: {config.auto_keys}"
         self.config = config
         self.dist = dist_ctx
+        if dist_ctx.rank == 0:
+            _log_config_notes(config)
         batch = config.resolve_batch(dist_ctx.dp_world_size)
         self.train_batch_size = batch.train_batch_size
         self.micro_batch_size = batch.micro_batch_size
@@ -83,6 +86,11 @@ class Engine(nn.Module):
         self.loss_scaler = build_loss_scaler(config.fp16)
 
         self.micro_steps = 0
+        # None: boundaries every gradient_accumulation_steps micro-steps; True/False: as
+        # set by set_gradient_accumulation_boundary (a trainer that decides them itself).
+        self._boundary: bool | None = None
+        self._window_norm: torch.Tensor | None = None  # this window's unscaled gradient norm, once computed
+        self._has_grads = False
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
@@ -126,7 +134,19 @@ class Engine(nn.Module):
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the current micro-step is the last of its accumulation window."""
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Say whether the next micro-step ends its accumulation window (DeepSpeed's API).
+
+        For training loops that decide the windows themselves (the Hugging Face Trainer
+        ends one early at the end of an epoch): set it before each forward/backward; the
+        last micro-step of a window must have it True. ``None`` returns to counting
+        ``gradient_accumulation_steps`` micro-steps.
+        """
+        self._boundary = None if is_boundary is None else bool(is_boundary)
 
     def was_step_applied(self) -> bool:
         """False if the last boundary step was skipped because of an fp16 overflow."""
@@ -142,8 +162,9 @@ class Engine(nn.Module):
         self.timers.stop("forward")
         return out
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss`` scaled for accumulation (1/steps) and for fp16.
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
+        """Backpropagate ``loss`` scaled for accumulation (1/steps, unless ``scale_wrt_gas``
+        is False: the caller already divided it) and for fp16.
 
         On the last micro-step of a window, gradient buckets are all-reduced while the
         rest of backward still runs.
@@ -151,11 +172,12 @@ class Engine(nn.Module):
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
         self.timers.start("backward")
-        self._window_loss += loss.detach().float()
+        self._window_loss += loss.detach().float() * (1 if scale_wrt_gas else self.gradient_accumulation_steps)
         self._state.prepare_backward(sync=self.is_gradient_accumulation_boundary())
-        scale = self.loss_scaler.scale / self.gradient_accumulation_steps
-        (loss.float() * scale).backward()
+        scale = self.loss_scaler.scale / (self.gradient_accumulation_steps if scale_wrt_gas else 1)
+        (loss.float() * scale).backward(retain_graph=retain_graph)
         self._state.post_backward()
+        self._has_grads = True
         self.timers.stop("backward")
 
     def step(self) -> None:
@@ -169,17 +191,31 @@ class Engine(nn.Module):
             self._report()
         self.micro_steps += 1
 
-    def zero_grad(self) -> None:
-        """Drop the gradients accumulated so far in this window."""
-        self._state.zero_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients accumulated so far in this window (``set_to_none`` is
+        accepted for ``nn.Module``'s signature; gradient buffers are kept for reuse)."""
+        if self._has_grads:
+            self._state.zero_grad()
+            self._has_grads = False
+        self._window_norm = None
+
+    def window_grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of this window's reduced gradients, unscaled, before
+        clipping (collective: every rank calls it after the window's last backward).
+
+        Computed once per window; the optimizer step clips with the same value.
+        """
+        if self._window_norm is None:
+            self._window_norm = self._state.grad_norm() / self.loss_scaler.scale
+        return self._window_norm
 
     def _optimizer_step(self) -> None:
         self._checkpointer.before_update()  # an asynchronous save may still read the state
         scale = self.loss_scaler.scale
         norm = None
         clip = self.config.gradient_clipping
-        if clip > 0 or self.config.fp16.enabled:
-            norm = self._state.grad_norm() / scale
+        if clip > 0 or self.config.fp16.enabled or self._window_norm is not None:
+            norm = self.window_grad_norm()
         overflow = False
         if self.config.fp16.enabled:
             overflow = all_reduce_flag(~torch.isfinite(norm), self.dp_group, self.device)
@@ -202,6 +238,8 @@ class Engine(nn.Module):
             self._step_applied = True
         self._last_grad_norm = None if norm is None else float(norm)
         self._state.zero_grad()
+        self._has_grads = False
+        self._window_norm = None
 
     def _report(self) -> None:
         every = self.config.steps_per_print
@@ -496,3 +534,19 @@ def _memory_summary(device: torch.device) -> str:
             f", peak {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB"
         )
     return text
+
+
+def _log_config_notes(config: Config) -> None:
+    """Say once, at start-up, what loading and resolving the config decided for the user."""
+    for note in config.notes:
+        logger.warning("config: %s", note)
+    if config.resolved:
+        logger.info('config: resolved "auto": %s', "; ".join(str(r) for r in config.resolved))
+    from terascale.offload.policy import unpinned_keys
+
+    unpinned = unpinned_keys(config)
+    if unpinned:
+        logger.warning(
+            "config: %s: no accelerator on this machine, so host buffers are not pinned "
+            "(pinning only speeds up copies to a GPU)", ", ".join(unpinned),
+        )

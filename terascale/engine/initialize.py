@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from terascale.comm import ModelParallelUnit, init_distributed
-from terascale.config import Config
+from terascale.config import AutoContext, Config
 from terascale.engine.data import build_dataloader
 from terascale.engine.engine import Engine, OptimizerArg, SchedulerArg
 from terascale.zero import WrapPolicy
@@ -51,8 +51,11 @@ def initialize(
             "args with --config"
         )
     cfg = Config.load(source)
-    cfg.require_built()
     dist_ctx = init_distributed(mpu)
+    # [Note: auto values]: what an integration gave is already in cfg; the rest comes
+    # from the world size and the model.
+    cfg = cfg.resolve(AutoContext(world_size=dist_ctx.dp_world_size, model=model))
+    cfg.require_built()
     engine = Engine(
         model,
         cfg,

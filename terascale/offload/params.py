@@ -60,7 +60,7 @@ class OffloadedParams:
         self._pending: dict[int, tuple[torch.Tensor, IoHandle]] = {}
         self.fetches = 0  # reads issued (for tests and reports)
         self.fetches_ahead = 0  # of which started ahead of the gather that needed them
-        self._pin = policy.pin_memory and torch.cuda.is_available()
+        self._pin = policy.pin_memory  # the policy pins only where an accelerator is
         self._kept_numel = 0  # elements of shards kept in host memory under max_in_cpu
         self._disk_nbytes = 0
         if policy.device == "cpu":

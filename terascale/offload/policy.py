@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from terascale.offload.aio import AioOptions
 
 
@@ -68,5 +70,29 @@ def param_offload(config: object) -> ParamOffload:
 def _policy(cls: type, section: object, aio: object, extra: tuple[str, ...]):
     if section is None or section.device == "none":
         return cls()
-    common = ("device", "nvme_path", "pin_memory", "buffer_count", *extra)
-    return cls(**{name: getattr(section, name) for name in common}, aio=AioOptions.from_config(aio))
+    common = ("device", "nvme_path", "buffer_count", *extra)
+    # Published configs ask for pinned buffers (written for GPU machines); without an
+    # accelerator there is nothing to pin for, and the engine says so once at start-up.
+    pin = section.pin_memory and can_pin_memory()
+    return cls(**{name: getattr(section, name) for name in common}, pin_memory=pin, aio=AioOptions.from_config(aio))
+
+
+def can_pin_memory() -> bool:
+    """Whether page-locked host memory means anything here: only with an accelerator to
+    copy to (torch refuses ``pin_memory=True`` without one)."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        return bool(accelerator.is_available())
+    return torch.cuda.is_available()
+
+
+def unpinned_keys(config: object) -> list[str]:
+    """The config's ``pin_memory: true`` settings that this machine cannot honour."""
+    if can_pin_memory():
+        return []
+    zero = config.zero_optimization
+    return [
+        f"zero_optimization.{name}.pin_memory"
+        for name in ("offload_optimizer", "offload_param")
+        if getattr(zero, name) is not None and getattr(zero, name).pin_memory
+    ]

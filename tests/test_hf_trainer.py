@@ -1,0 +1,191 @@
+"""The Hugging Face Trainer on terascale (``terascale.integrations.transformers``), real ranks.
+
+Parity: the same tiny Llama, data and TrainingArguments trained by the plain Trainer
+(DDP over gloo) and by terascale's Trainer with a DeepSpeed config full of "auto" values,
+at ZeRO stages 0, 2 and 3, with and without offload: the logged losses and gradient norms
+and the final weights agree within fp32 rounding. An epoch of 10 micro-batches with 4 per
+window ends in a window of 2, so the Trainer's own window boundaries are exercised.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ = 96, 16
+
+
+def tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int = 1) -> None:
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+AUTO_CONFIG = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "train_batch_size": "auto",
+    "gradient_clipping": "auto",
+    "fp16": {"enabled": "auto"},
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {
+        "stage": 3,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+    },
+}
+
+
+def _args(out: str, **kw):
+    from terascale.integrations.transformers import TrainingArguments
+
+    base = dict(
+        output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=4, num_train_epochs=2,
+        learning_rate=3e-3, warmup_steps=2, max_grad_norm=0.5, logging_steps=1, report_to=[], use_cpu=True,
+        save_strategy="no", seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def _history(trainer) -> list[tuple[float, float, float]]:
+    return [(h["loss"], float(h["grad_norm"]), h["learning_rate"]) for h in trainer.state.log_history if "loss" in h]
+
+
+def _parity_rank(out: str, cases: list[tuple[str, dict]]) -> dict:
+    import transformers as hf
+
+    from terascale.integrations.transformers import Trainer
+
+    data = Tokens(40)  # 20 per rank: 10 micro-batches of 2, windows of 4, 4, 2
+    results = {}
+    model = tiny_llama()
+    plain = hf.Trainer(model=model, args=_args(f"{out}/plain"), train_dataset=data)
+    plain.train()
+    results["plain"] = (_history(plain), {k: v.detach().clone() for k, v in model.state_dict().items()})
+    results["plain/eval"] = plain.evaluate(Tokens(8, seed=2))["eval_loss"]
+    for name, config in cases:
+        model = tiny_llama()
+        trainer = Trainer(model=model, args=_args(f"{out}/{name}"), train_dataset=data, config=config)
+        trainer.train()
+        results[name] = (_history(trainer), trainer.engine.full_state_dict())
+        evaluated = trainer.evaluate(Tokens(8, seed=2))["eval_loss"]
+        results[name + "/eval"] = evaluated
+        results[name + "/resolved"] = {r.path: r.value for r in trainer.engine.config.resolved}
+        trainer.engine.destroy()
+    return results
+
+
+def _zero(stage: int, **extra) -> dict:
+    return {**AUTO_CONFIG, "zero_optimization": {**AUTO_CONFIG["zero_optimization"], "stage": stage, **extra}}
+
+
+def test_trainer_matches_the_plain_trainer_at_every_stage(tmp_path):
+    nvme = str(tmp_path / "nvme")
+    os.mkdir(nvme)
+    cpu = {"device": "cpu", "pin_memory": True}
+    cases = [
+        ("stage0", _zero(0)),
+        ("stage2", _zero(2)),
+        ("stage3", _zero(3)),
+        ("stage2_cpu", _zero(2, offload_optimizer=cpu)),
+        ("stage3_cpu", _zero(3, offload_optimizer=cpu, offload_param=cpu)),
+        ("stage3_nvme", _zero(3, offload_optimizer={"device": "nvme", "nvme_path": nvme},
+                              offload_param={"device": "nvme", "nvme_path": nvme})),
+    ]  # fmt: skip
+    results = run_ranks(_parity_rank, 2, str(tmp_path), cases, timeout=400)
+    ref_history, ref_state = results[0]["plain"]
+    assert len(ref_history) == 6  # 3 windows per epoch (4, 4, 2 micro-batches), 2 epochs
+    for name, _ in cases:
+        history, state = results[0][name]
+        assert len(history) == len(ref_history), name
+        for (loss, norm, lr), (ref_loss, ref_norm, ref_lr) in zip(history, ref_history):
+            assert loss == pytest.approx(ref_loss, rel=1e-5), (name, history, ref_history)
+            assert norm == pytest.approx(ref_norm, rel=1e-4), (name, history, ref_history)
+            assert lr == pytest.approx(ref_lr, rel=1e-6), name
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v.float(), rtol=1e-5, atol=2e-6, msg=f"{name}: {k}")
+        resolved = results[0][name + "/resolved"]
+        assert resolved["train_micro_batch_size_per_gpu"] == 2 and resolved["gradient_accumulation_steps"] == 4
+        assert resolved["train_batch_size"] == 16 and resolved["gradient_clipping"] == 0.5
+        assert resolved["zero_optimization.reduce_bucket_size"] == 32 * 32
+        assert resolved["zero_optimization.stage3_param_persistence_threshold"] == 320
+    for name, _ in cases:  # evaluation after training runs through the engine (stage 3: gathered)
+        assert results[0][f"{name}/eval"] == pytest.approx(results[0]["plain/eval"], rel=1e-5), name
+    assert not list(Path(tmp_path / "nvme").rglob("*.swp")), "swap files left behind"
+
+
+# -- saving, from_pretrained, resuming -------------------------------------------------------------
+
+
+def _resume_rank(out: str) -> dict:
+    from transformers import LlamaForCausalLM
+
+    from terascale.integrations.transformers import Trainer
+
+    data = Tokens(48)
+    config = {**_zero(3), "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                                     "weight_decay": "auto"}},
+              "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                                 "warmup_num_steps": "auto", "total_num_steps": "auto"}}}  # fmt: skip
+    # 6 steps an epoch, 2 epochs; resumed from step 8, in the second epoch.
+    kw = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, num_train_epochs=2, save_strategy="steps",
+              save_steps=4, weight_decay=0.01)  # fmt: skip
+    whole = Trainer(model=tiny_llama(), args=_args(f"{out}/run", **kw), train_dataset=data, config=config)
+    whole.train()
+    history = _history(whole)
+    whole.save_model(f"{out}/final")
+    weights = whole.engine.full_state_dict()
+    resolved = {r.path: r.value for r in whole.engine.config.resolved}
+    whole.engine.destroy()
+    resumed = Trainer(model=tiny_llama(seed=5), args=_args(f"{out}/resumed", **kw), train_dataset=data, config=config)
+    resumed.train(resume_from_checkpoint=f"{out}/run/checkpoint-8")
+    loaded = LlamaForCausalLM.from_pretrained(f"{out}/final").state_dict()
+    return {"history": history, "resumed": _history(resumed), "weights": weights, "loaded": loaded,
+            "resumed_weights": resumed.engine.full_state_dict(), "resolved": resolved,
+            "files": sorted(os.listdir(f"{out}/run/checkpoint-8"))}  # fmt: skip
+
+
+def test_save_model_loads_with_from_pretrained_and_resume_is_exact(tmp_path):
+    result = run_ranks(_resume_rank, 2, str(tmp_path), timeout=300)[0]
+    assert len(result["history"]) == 12
+    # The resumed run's log (steps 1-8 come from the checkpoint's trainer state, 9-12 are
+    # trained) is the uninterrupted run's, bit for bit.
+    assert result["resumed"] == result["history"]
+    for k, v in result["weights"].items():
+        assert torch.equal(result["resumed_weights"][k], v), k
+        assert torch.equal(result["loaded"][k], v), k
+    assert "latest" in result["files"] and "global_step8" in result["files"] and "trainer_state.json" in result["files"]
+    resolved = result["resolved"]
+    assert resolved["optimizer.params.lr"] == 3e-3 and resolved["optimizer.params.betas"] == [0.9, 0.999]
+    assert resolved["optimizer.params.weight_decay"] == 0.01
+    assert resolved["scheduler.params.total_num_steps"] == 12 and resolved["scheduler.params.warmup_num_steps"] == 2
+    assert resolved["scheduler.params.warmup_max_lr"] == 3e-3 and resolved["scheduler.params.warmup_min_lr"] == 0
+    # The config's WarmupDecayLR (not the Trainer's linear schedule) sets the lr the Trainer
+    # logs: from warmup_min_lr up to warmup_max_lr, then down towards 0 at total_num_steps.
+    lrs = [lr for _, _, lr in result["history"]]
+    assert lrs[0] == 0 and max(lrs) == pytest.approx(3e-3) and lrs[-1] < max(lrs) / 2, lrs
