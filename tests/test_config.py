@@ -419,7 +419,7 @@ def test_fixed_choices_are_listed() -> None:
 
 
 def test_value_checks() -> None:
-    assert _problems({"zero_optimization": {"offload_param": {"device": "nvme"}}}) == [
+    assert _problems({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}) == [
         "zero_optimization.offload_param: nvme_path is required when device is 'nvme'; "
         "set it to a directory"
     ]

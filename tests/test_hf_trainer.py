@@ -20,6 +20,12 @@ from distributed import run_ranks
 transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ = 96, 16
+_VERSION = tuple(int(p) for p in transformers.__version__.split(".")[:2])
+# Older Trainers log the loss rounded to 4 decimals, and their DDP runs reduce gradients
+# in the middle of a window that spans two epochs (a short last window is not ended at the
+# epoch's end), so they are compared on epochs of whole windows only.
+_LOGGED_LOSS_ROUNDING = 1e-4 if _VERSION < (4, 47) else 0
+_SHORT_LAST_WINDOW = _VERSION >= (4, 47)
 
 
 def tiny_llama(seed: int = 0):
@@ -81,7 +87,8 @@ def _parity_rank(out: str, cases: list[tuple[str, dict]]) -> dict:
 
     from terascale.integrations.transformers import Trainer
 
-    data = Tokens(40)  # 20 per rank: 10 micro-batches of 2, windows of 4, 4, 2
+    # 20 per rank: 10 micro-batches of 2, windows of 4, 4, 2 (older Trainers: 16, 4 + 4).
+    data = Tokens(40 if _SHORT_LAST_WINDOW else 32)
     results = {}
     model = tiny_llama()
     plain = hf.Trainer(model=model, args=_args(f"{out}/plain"), train_dataset=data)
@@ -119,12 +126,12 @@ def test_trainer_matches_the_plain_trainer_at_every_stage(tmp_path):
     ]  # fmt: skip
     results = run_ranks(_parity_rank, 2, str(tmp_path), cases, timeout=400)
     ref_history, ref_state = results[0]["plain"]
-    assert len(ref_history) == 6  # 3 windows per epoch (4, 4, 2 micro-batches), 2 epochs
+    assert len(ref_history) == (6 if _SHORT_LAST_WINDOW else 4)  # windows per epoch × 2 epochs
     for name, _ in cases:
         history, state = results[0][name]
         assert len(history) == len(ref_history), name
         for (loss, norm, lr), (ref_loss, ref_norm, ref_lr) in zip(history, ref_history):
-            assert loss == pytest.approx(ref_loss, rel=1e-5), (name, history, ref_history)
+            assert loss == pytest.approx(ref_loss, rel=1e-5, abs=_LOGGED_LOSS_ROUNDING), (name, history, ref_history)
             assert norm == pytest.approx(ref_norm, rel=1e-4), (name, history, ref_history)
             assert lr == pytest.approx(ref_lr, rel=1e-6), name
         for k, v in ref_state.items():

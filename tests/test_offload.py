@@ -84,10 +84,13 @@ def test_between_steps_the_optimizer_state_is_only_on_disk(tmp_path):
 def test_offload_settings_are_checked():
     from terascale.config import Config, ConfigError
 
-    with pytest.raises(ConfigError, match="needs ZeRO stage 1, 2 or 3"):
-        Config.load({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}})
-    with pytest.raises(ConfigError, match="needs ZeRO stage 3"):
-        Config.load({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+    # An offload the stage cannot use is ignored, as DeepSpeed ignores it, and said so.
+    cfg = Config.load({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}})
+    assert cfg.zero_optimization.offload_optimizer is None
+    assert cfg.notes == ("zero_optimization.offload_optimizer: device 'cpu' is ignored at stage 0, as DeepSpeed "
+                         "ignores it (only stage 1-3 partitions optimizer state); set stage to offload",)
+    cfg = Config.load({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+    assert cfg.zero_optimization.offload_param is None and "ignored at stage 2" in cfg.notes[0]
     with pytest.raises(ConfigError, match="nvme_path is required"):
         Config.load({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})
 

@@ -8,8 +8,11 @@ convention, which DeepSpeed also accepts) that owns the data-parallel group.
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import functools
 import os
+import time
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -103,6 +106,7 @@ def init_distributed(
                 backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs
             )
     backend = str(dist.get_backend())
+    _release_the_gil_at_exit()
 
     if mpu is not None:
         dp_group = mpu.get_data_parallel_group()
@@ -125,6 +129,20 @@ def init_distributed(
         mp_group=mp_group,
         mp_world_size=mp_world_size,
     )
+
+
+@functools.cache
+def _release_the_gil_at_exit() -> None:
+    """[Note: exiting with collective threads] A gloo worker thread that finished a
+    collective drops its tensors afterwards, and dropping a tensor Python also knows takes
+    the GIL. Training scripts (the Hugging Face Trainer's among them) often end right
+    after a collective without destroying the process group; if the interpreter starts
+    finalising while such a thread still waits for the GIL, the thread is killed inside
+    C++ and the process aborts ("terminate called without an active exception", PyTorch
+    issue 190489), turning a finished run into a failed one. Letting go of the GIL for a
+    moment at exit lets those threads finish first. No collective is issued: a rank that
+    has already gone cannot hang the others."""
+    atexit.register(time.sleep, 0.05)
 
 
 def duplicate_group(group: ProcessGroup) -> ProcessGroup:

@@ -101,17 +101,18 @@ class Resolved:
 
 def find_autos(data: Mapping[str, Any], skip: Iterable[str] = (), prefix: str = "") -> list[str]:
     """Dotted paths of every ``"auto"`` value in ``data`` (nested objects included), except
-    under the top-level keys ``skip`` (sections kept as plain dicts, where "auto" is data)."""
+    under the paths ``skip`` (sections kept as plain dicts, where "auto" is data, such as
+    ``pipeline.stages``)."""
     skipped = set(skip)
     out = []
     for key, value in data.items():
-        if not prefix and key in skipped:
-            continue
         path = f"{prefix}{key}"
+        if path in skipped:
+            continue
         if isinstance(value, str) and value == AUTO:
             out.append(path)
         elif isinstance(value, Mapping):
-            out.extend(find_autos(value, (), f"{path}."))
+            out.extend(find_autos(value, skipped, f"{path}."))
     return out
 
 
@@ -210,6 +211,11 @@ def resolve_autos(data: dict[str, Any], autos: Sequence[str], ctx: AutoContext) 
     lr = _get(r.out, "optimizer.params.lr")
     if "scheduler.params.warmup_max_lr" in r.pending and _is_number(lr):
         r.fill("scheduler.params.warmup_max_lr", lr, "optimizer.params.lr")
+    if "steps_per_print" in r.pending:
+        r.fill("steps_per_print", None, "never, as accelerate sets it: the training loop reports progress")
+    # DeepSpeed reads "auto" in its zero_optimization section as the setting's default.
+    for path in [p for p in r.pending if p.startswith("zero_optimization.")]:
+        r.fill(path, _MISSING, "DeepSpeed's default: DeepSpeed reads \"auto\" in zero_optimization as that")
     # 3. The rest cannot be derived.
     for path in list(r.pending):
         if path in _SET_BY:

@@ -61,13 +61,13 @@ def _field_for_key(model: type[BaseModel], key: str) -> str | None:
     return None
 
 
-def _submodel(annotation: Any) -> type[BaseModel] | None:
+def submodel(annotation: Any) -> type[BaseModel] | None:
     """The pydantic model inside an annotation such as ``Optional[OffloadConfig]``."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         for arg in typing.get_args(annotation):
-            found = _submodel(arg)
+            found = submodel(arg)
             if found is not None:
                 return found
     return None
@@ -84,7 +84,7 @@ def _model_at(root: type[BaseModel], loc: Iterable[str | int]) -> type[BaseModel
         name = _field_for_key(model, part)
         if name is None:
             return None
-        model = _submodel(model.model_fields[name].annotation)
+        model = submodel(model.model_fields[name].annotation)
     return model
 
 

@@ -175,6 +175,14 @@ def _deepcompile(cfg: Config) -> list[str]:
     return ["compile.deepcompile=true"] if (cfg.compile or {}).get("deepcompile") is True else []
 
 
+def _sum_reduction(cfg: Config) -> list[str]:
+    return ["gradient_allreduce_op=sum"] if cfg.gradient_allreduce_op == "sum" else []
+
+
+def _unmanaged_accumulation(cfg: Config) -> list[str]:
+    return [] if cfg.managed_gradient_accumulation else ["managed_gradient_accumulation=false"]
+
+
 def _never(cfg: Config) -> list[str]:
     return []
 
@@ -261,6 +269,9 @@ FEATURES: tuple[Feature, ...] = (
     Feature("checkpoint writer engines", False, _present("checkpoint.writer")),
     Feature("sparse gradients", False, _flags("", "sparse_gradients")),
     Feature("engine state dump", False, _flags("", "dump_state")),
+    Feature("summed (not averaged) gradient reduction", False, _sum_reduction),
+    Feature("unmanaged gradient accumulation (reduction in step())", False, _unmanaged_accumulation),
+    Feature("disabling Python's cyclic garbage collector", False, _flags("", "disable_python_gc")),
     Feature("CUDA graph harvesting", False, _flags("", "graph_harvesting")),
     Feature("sequence parallelism", False, _above("sequence_parallel_size", 1)),
     Feature("pipeline parallelism", False, _pipeline),

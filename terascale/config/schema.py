@@ -19,8 +19,8 @@ from pydantic import AliasChoices, Field, PrivateAttr, ValidationError, field_va
 
 from terascale.config.auto import AutoContext, Resolved, find_autos, resolve_autos, without
 from terascale.config.batch import BatchSizes, resolve_batch_sizes
-from terascale.config.errors import ConfigError, from_validation_error
-from terascale.config.legacy import upgrade_legacy
+from terascale.config.errors import ConfigError, submodel, from_validation_error, key_names
+from terascale.config.compat import upgrade
 from terascale.config.section import TORCH_DTYPES, DtypeName, Section, normalize_dtype_name
 from terascale.config.source import read_source
 from terascale.config.zero import AioConfig, ZeroConfig
@@ -106,7 +106,7 @@ class FlopsProfilerConfig(Section):
 
     enabled: bool = False
     recompute_fwd_factor: float = Field(0.0, ge=0.0)
-    profile_step: int = Field(1, ge=1)
+    profile_step: int = 1  # DeepSpeed does not bound it (Megatron-DeepSpeed writes -1)
     module_depth: int = -1
     top_modules: int = Field(1, ge=1)
     detailed: bool = True
@@ -187,7 +187,7 @@ class Config(Section):
     gradient_accumulation_steps: int | None = Field(None, gt=0)
 
     gradient_clipping: float = Field(0.0, ge=0.0)
-    steps_per_print: int | None = Field(10, ge=1)
+    steps_per_print: int | None = Field(10, ge=1)  # None (or infinity): never
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
     prescale_gradients: bool = False
@@ -247,6 +247,10 @@ class Config(Section):
     expert_parallel: LooseSection = None
     weight_quantization: LooseSection = None
 
+    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
+    managed_gradient_accumulation: bool = True
+    disable_python_gc: bool = False
+    log_level: str | None = None
     dump_state: bool = False
     disable_allgather: bool = False
     graph_harvesting: bool = False
@@ -254,6 +258,19 @@ class Config(Section):
     vocabulary_size: int | None = Field(None, gt=0)
     use_data_before_expert_parallelism: bool = False
     sequence_parallel_size: int = Field(1, ge=1)
+
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _never_print(cls, value: Any) -> Any:
+        # accelerate hands DeepSpeed float("inf") to mean "never".
+        return None if isinstance(value, float) and value == float("inf") else value
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str | None) -> str | None:
+        if value is not None and value.upper() not in ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL"):
+            raise ValueError(f"expected one of 'debug', 'info', 'warning', 'error', 'critical', got {value!r}")
+        return value
 
     @field_validator("communication_data_type", mode="before")
     @classmethod
@@ -294,7 +311,7 @@ class Config(Section):
             return source
         data, label = read_source(source)
         try:
-            data, notes = upgrade_legacy(data)
+            data, notes = upgrade(data, _lenient_sections())
         except ConfigError as err:
             raise ConfigError(err.problems, source=label) from None
         autos = find_autos(data, skip=_LOOSE_SECTIONS)
@@ -323,10 +340,11 @@ class Config(Section):
             return self
         try:
             data, done = resolve_autos(self._raw, self._autos, context)
+            data, notes = upgrade(data)  # what a resolved value (a stage, say) makes moot
         except ConfigError as err:
             raise ConfigError(err.problems, source=self._label) from None
         cfg = type(self)._validate(data, self._label)
-        cfg._raw, cfg._notes, cfg._label = data, self._notes, self._label
+        cfg._raw, cfg._notes, cfg._label = data, self._notes + tuple(notes), self._label
         cfg._resolved = self._resolved + tuple(done)
         return cfg
 
@@ -407,5 +425,19 @@ class Config(Section):
         return self
 
 
-# Top-level sections kept as plain dicts: an "auto" inside one is data, not a request.
-_LOOSE_SECTIONS = frozenset(name for name, f in Config.model_fields.items() if f.annotation == LooseSection)
+# Sections kept as plain dicts: an "auto" inside one is data (ZenFlow's and the pipeline's
+# settings take "auto" as a value), not a request for a value.
+_LOOSE_SECTIONS = frozenset(
+    [name for name, f in Config.model_fields.items() if f.annotation == LooseSection]
+    + [f"zero_optimization.{name}" for name in ("zenflow", "zeropp_loco_param", "leaf_module")]
+    + ["checkpoint.writer"]
+)
+
+
+def _lenient_sections() -> dict[str, list[str]]:
+    """The sections DeepSpeed reads loosely (ignoring keys it does not know), with their
+    valid keys: see ``[Note: DeepSpeed compatibility]``."""
+    sections = {"": Config}
+    for name in ("activation_checkpointing", "flops_profiler", "aio", "checkpoint", "data_types"):
+        sections[name] = submodel(Config.model_fields[name].annotation)
+    return {name: key_names(model) for name, model in sections.items()}

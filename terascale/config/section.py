@@ -94,7 +94,8 @@ def _number_kinds(model: type[BaseModel], key: str) -> set[type]:
     """{int} / {float} / {int, float} when ``key`` of ``model`` takes numbers and no strings."""
     for name, field in model.model_fields.items():
         alias = field.validation_alias
-        spellings = {name, field.alias, alias} | (set(alias.choices) if isinstance(alias, AliasChoices) else set())
+        choices = alias.choices if isinstance(alias, AliasChoices) else [alias]
+        spellings = {name, field.alias, *(c for c in choices if isinstance(c, str))}
         if key in spellings:
             kinds = _annotation_types(field.annotation)
             if str in kinds or any(typing.get_origin(k) is Literal for k in kinds):

@@ -149,21 +149,6 @@ class ZeroConfig(Section):
         return stage
 
     @model_validator(mode="after")
-    def _offload_needs_sharding(self) -> ZeroConfig:
-        opt, param = self.offload_optimizer, self.offload_param
-        if opt is not None and opt.device != "none" and self.stage == 0:
-            raise ValueError(
-                f"offload_optimizer.device '{opt.device}' needs ZeRO stage 1, 2 or 3 (the offloaded "
-                "optimizer state is this rank's shard), but stage is 0; set zero_optimization.stage"
-            )
-        if param is not None and param.device != "none" and self.stage != 3:
-            raise ValueError(
-                f"offload_param.device '{param.device}' needs ZeRO stage 3 (only stage 3 shards "
-                f"parameters), but stage is {self.stage}; set stage to 3 or remove offload_param"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _partial_offload_needs_stage3(self) -> ZeroConfig:
         if self.offload_optimizer is not None and self.offload_optimizer.ratio < 1.0:
             if self.stage != 3:

@@ -58,6 +58,8 @@ class Engine(nn.Module):
         assert not config.auto_keys, f"resolve the config's 'auto' values first: {config.auto_keys}"
         self.config = config
         self.dist = dist_ctx
+        if config.log_level is not None:
+            logger.setLevel(config.log_level.upper())
         if dist_ctx.rank == 0:
             _log_config_notes(config)
         batch = config.resolve_batch(dist_ctx.dp_world_size)
