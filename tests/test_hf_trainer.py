@@ -196,3 +196,132 @@ def test_save_model_loads_with_from_pretrained_and_resume_is_exact(tmp_path):
     # logs: from warmup_min_lr up to warmup_max_lr, then down towards 0 at total_num_steps.
     lrs = [lr for _, _, lr in result["history"]]
     assert lrs[0] == 0 and max(lrs) == pytest.approx(3e-3) and lrs[-1] < max(lrs) / 2, lrs
+
+
+# -- PEFT under ZeRO-3, TrainingArguments(deepspeed=...), disagreeing values ----------------------
+
+
+def _peft_rank(out: str) -> dict:
+    import transformers as hf
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from terascale.integrations.peft import save_merged
+    from terascale.integrations.transformers import Trainer, TrainingArguments
+
+    def lora():
+        return get_peft_model(tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+    result: dict = {}
+    model = lora()
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    cpu = {"device": "cpu"}
+    config = _zero(3, offload_optimizer=cpu, offload_param=cpu)
+    # The config through terascale's TrainingArguments(deepspeed=...), as users of the Trainer write it.
+    args = TrainingArguments(output_dir=f"{out}/lora", deepspeed=config, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, num_train_epochs=1, learning_rate=1e-2, report_to=[],
+                             use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True, logging_steps=1)  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(32))
+    trainer.train()
+    engine = trainer.engine
+    result["state"] = engine.full_state_dict()
+    result["initial"] = initial
+    result["optimizer_numel"] = sum(t.numel() for s in engine.optimizer.state.values() for t in s.values()
+                                    if torch.is_tensor(t) and t.dim() > 0)  # fmt: skip
+    trainer.save_model(f"{out}/adapter")
+    save_merged(engine, f"{out}/merged")
+    result["adapter_files"] = sorted(os.listdir(f"{out}/adapter")) if engine.rank == 0 else []
+    # Plain PEFT: the same base weights with the saved adapter, merged by PEFT itself.
+    base = tiny_llama()
+    result["peft_merged"] = PeftModel.from_pretrained(base, f"{out}/adapter").merge_and_unload().state_dict()
+    result["loaded_merged"] = hf.LlamaForCausalLM.from_pretrained(f"{out}/merged").state_dict()
+    engine.destroy()
+    # An explicit value that disagrees with the TrainingArguments is an error naming both.
+    wrong = {**_zero(2), "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.5}
+    try:
+        Trainer(model=tiny_llama(), args=_args(f"{out}/wrong"), train_dataset=Tokens(8), config=wrong).train()
+    except ValueError as err:
+        result["mismatch"] = str(err)
+    return result
+
+
+def test_lora_at_stage_3_trains_only_adapters_and_saves_adapter_and_merged_weights(tmp_path):
+    results = run_ranks(_peft_rank, 2, str(tmp_path), timeout=300)
+    r = results[0]
+    changed = sorted(k for k in r["state"] if not torch.equal(r["state"][k], r["initial"][k].float()))
+    assert changed and all("lora_" in k for k in changed), changed
+    adapter_numel = sum(v.numel() for k, v in r["initial"].items() if "lora_" in k)
+    # Adam's two moments for the adapters only, sharded: the ranks together hold 2 x adapters.
+    assert sum(x["optimizer_numel"] for x in results) == 2 * adapter_numel
+    assert "adapter_model.safetensors" in r["adapter_files"] and "adapter_config.json" in r["adapter_files"]
+    assert "model.safetensors" not in r["adapter_files"]  # the frozen base is not saved with the adapter
+    assert r["peft_merged"].keys() == r["loaded_merged"].keys()
+    for k, v in r["peft_merged"].items():
+        torch.testing.assert_close(r["loaded_merged"][k], v, rtol=1e-6, atol=1e-6, msg=k)
+    assert "train_micro_batch_size_per_gpu: the config says 4 but TrainingArguments.per_device_train_batch_size is 2" \
+        in r["mismatch"] and "gradient_clipping" not in r["mismatch"]  # 0.5 == max_grad_norm 0.5
+
+
+# -- the Trainer's subclasses ---------------------------------------------------------------------
+
+
+def _subclasses_rank(out: str, with_trl: bool) -> dict:
+    import transformers as hf
+
+    from terascale.integrations.transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, terascale_trainer
+
+    def t5():
+        torch.manual_seed(0)
+        return hf.T5ForConditionalGeneration(hf.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                         num_heads=4, decoder_start_token_id=0))  # fmt: skip
+
+    class Pairs(Tokens):
+        def __getitem__(self, i: int) -> dict:
+            return {"input_ids": self.ids[i], "labels": self.ids[i].flip(0)}
+
+    common = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, num_train_epochs=1,
+                  learning_rate=3e-3, report_to=[], use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True,
+                  logging_steps=1)  # fmt: skip
+    out_ = {}
+    plain = hf.Seq2SeqTrainer(model=t5(), args=hf.Seq2SeqTrainingArguments(output_dir=f"{out}/s0", **common),
+                              train_dataset=Pairs(16))  # fmt: skip
+    plain.train()
+    ours = Seq2SeqTrainer(model=t5(), args=Seq2SeqTrainingArguments(output_dir=f"{out}/s1", deepspeed=_zero(3), **common),
+                          train_dataset=Pairs(16))  # fmt: skip
+    ours.train()
+    out_["seq2seq"] = (_history(plain), _history(ours))
+    ours.engine.destroy()
+    if not with_trl:
+        return out_
+    import datasets
+    import trl
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = hf.PreTrainedTokenizerFast(tokenizer_object=words, pad_token="w0", eos_token="w1")
+    texts = {"text": [" ".join(f"w{(i * 7 + j) % VOCAB}" for j in range(10)) for i in range(16)]}
+    sft_args = dict(common, max_length=SEQ, bf16=False)
+    plain = trl.SFTTrainer(model=tiny_llama(), args=trl.SFTConfig(output_dir=f"{out}/t0", **sft_args),
+                           train_dataset=datasets.Dataset.from_dict(texts), processing_class=tokenizer)  # fmt: skip
+    plain.train()
+    SFTTrainer = terascale_trainer(trl.SFTTrainer)
+    ours = SFTTrainer(model=tiny_llama(), args=trl.SFTConfig(output_dir=f"{out}/t1", **sft_args),
+                      train_dataset=datasets.Dataset.from_dict(texts), processing_class=tokenizer,
+                      config=_zero(3))  # fmt: skip
+    ours.train()
+    out_["sft"] = (_history(plain), _history(ours))
+    return out_
+
+
+def test_seq2seq_and_trl_sft_trainers_train_on_terascale_as_the_plain_ones(tmp_path):
+    import importlib.util
+
+    with_trl = importlib.util.find_spec("trl") is not None  # installed by `make test`
+    result = run_ranks(_subclasses_rank, 2, str(tmp_path), with_trl, timeout=300)[0]
+    assert sorted(result) == (["seq2seq", "sft"] if with_trl else ["seq2seq"])
+    for name, (plain, ours) in result.items():
+        assert len(plain) == len(ours) >= 2, name
+        for (loss, norm, _), (ref_loss, ref_norm, _) in zip(ours, plain):
+            assert loss == pytest.approx(ref_loss, rel=1e-5, abs=_LOGGED_LOSS_ROUNDING), (name, ours, plain)
+            assert norm == pytest.approx(ref_norm, rel=1e-4), (name, ours, plain)
