@@ -341,3 +341,50 @@ def test_backward_reduces_each_group_when_done_not_when_the_persistent_group_is(
     # the plan, done last) and hold every layer's gradient buffer until the end.
     for held in run_ranks(_held_gradients_rank, 2):
         assert held <= 2
+
+
+# -- frozen weights beside adapters (PEFT) --------------------------------------------------------
+
+
+def _adapter_rank() -> dict:
+    from torch import nn
+
+    import terascale
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.base = nn.Linear(64, 64)  # frozen, as a PEFT base layer
+            self.down, self.up = nn.Linear(64, 4, bias=False), nn.Linear(4, 64, bias=False)  # the adapter
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.tanh(self.base(x) + self.up(self.down(x)))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(6)])
+    for block in model:
+        block.base.requires_grad_(False)
+    config = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 4160}}  # fmt: skip
+    engine, *_ = terascale.initialize(model=model, config=config)
+    seen: list[int] = []
+    for block in model:
+        block.register_full_backward_hook(lambda *a: seen.append(engine.memory_breakdown()["gathered_params"]))
+    x = torch.randn(2, 64, requires_grad=True)  # inputs that need gradients, as hidden states do
+    for _ in range(2):
+        loss = engine(x).square().mean()
+        engine.backward(loss)
+        engine.step()
+    state = engine.optimizer.state.values()
+    return {"gathered_in_backward": max(seen), "optimizer_numel": sum(s["exp_avg"].numel() for s in state)}
+
+
+def test_frozen_weights_are_gathered_a_block_at_a_time_and_adapters_state_is_split_evenly():
+    r0, r1 = run_ranks(_adapter_rank, 2)
+    block_bytes = (64 * 64 + 64) * 4
+    # Six frozen blocks; backward holds the block it is in and the one prefetched (a block's
+    # worth of prefetch), not every frozen block until backward ends.
+    assert r0["gathered_in_backward"] <= 2 * block_bytes + 2 * 2 * 64 * 4 * 4, r0
+    # Each block's adapter (2 x 256 elements) is a group of its own, halved between the ranks.
+    assert r0["optimizer_numel"] == r1["optimizer_numel"] == 6 * 512 // 2

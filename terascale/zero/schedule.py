@@ -7,9 +7,12 @@ again unless it is the root group (used again at once by backward) or, by the tr
 will be reused within ``max_reuse_distance`` elements of other groups and the live
 budget allows keeping it. The post-hook also puts a hook on the module's outputs that
 gathers the group again when their first gradient arrives (pre-backward). In backward a
-group is freed as soon as every trainable parameter of it has its gradient (the
-gradient hooks tell :meth:`ParamSchedule.on_grads_done`); groups holding frozen
-parameters, whose last use autograd does not report, are freed when backward ends.
+group of trainable parameters is freed as soon as every parameter of it has its gradient
+(the gradient hooks tell :meth:`ParamSchedule.on_grads_done`). A group of frozen
+parameters gets no gradients; it is freed when the gradients of its module's inputs are
+computed (its module's backward is then done), or when backward ends if no input needs a
+gradient. Frozen base weights (PEFT adapters under ZeRO-3) are thus gathered one block at
+a time in backward too, not all at once.
 
 The trace is the sequence of groups used (forward and backward) in one training
 iteration. After the first iteration, each use advances a cursor along the recorded
@@ -71,7 +74,7 @@ class ParamSchedule:
         # Starts reading an offloaded shard ahead of its gather; False when no buffer is free.
         self._fetch = fetch
         self._dynamic = [not fg.persistent for fg in self.groups]
-        self._root = next((g for g, plan in enumerate(plans) if plan.module_name == ""), -1)
+        self._root = {g for g, plan in enumerate(plans) if plan.module_name == ""}
         self._has_frozen = [any(k < 0 for k in plan.opt_group) for plan in plans]
         self.trace: list[int] = []
         self._events: list[int] = []
@@ -80,7 +83,9 @@ class ParamSchedule:
         self._handles = []
         for g, plan in enumerate(plans):
             if self._dynamic[g]:
-                self._handles.append(plan.module.register_forward_pre_hook(self._pre_forward_hook(g)))
+                self._handles.append(
+                    plan.module.register_forward_pre_hook(self._pre_forward_hook(g), with_kwargs=True)
+                )
                 self._handles.append(plan.module.register_forward_hook(self._post_forward_hook(g)))
         self.gathers = 0  # all-gathers issued (counts for tests and reports)
         self.prefetches = 0  # of which ahead of use, along the trace
@@ -88,8 +93,12 @@ class ParamSchedule:
     # -- hooks -------------------------------------------------------------------------------
 
     def _pre_forward_hook(self, g: int):
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             self._use(g)
+            if self._has_frozen[g] and torch.is_grad_enabled():
+                inputs = _grad_tensors((args, kwargs))
+                if inputs:  # the module's backward is done once its inputs have gradients
+                    torch.autograd.graph.register_multi_grad_hook(inputs, lambda grads: self._free(g), mode="all")
 
         return hook
 
@@ -100,15 +109,15 @@ class ParamSchedule:
                 tensors = _grad_tensors(output)
                 if tensors:
                     torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self._use(g), mode="any")
-            keep = training and (g == self._root or self._reused_soon(g))
+            keep = training and (g in self._root or self._reused_soon(g))
             if not keep and self.groups[g].state is ShardState.UNSHARDED:
                 self.groups[g].reshard()
 
         return hook
 
     def on_grads_done(self, g: int) -> None:
-        """Every trainable parameter of group ``g`` has its gradient: free it, unless frozen
-        parameters may still be needed."""
+        """Every trainable parameter of group ``g`` has its gradient: free it (a group with
+        frozen parameters is freed after its module's backward instead)."""
         if self._dynamic[g] and not self._has_frozen[g]:
             self._free(g)
 

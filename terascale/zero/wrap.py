@@ -11,9 +11,13 @@ common ancestor and is gathered for the whole forward that uses it. At stage 3,
 parameters smaller than ``persistence_threshold`` elements leave their groups for one
 persistent group that stays gathered (DeepSpeed's ``stage3_param_persistence_threshold``).
 
-Inside a group parameters are ordered by optimizer param group, then module order, with
-frozen parameters last: each optimizer group's parameters are then one contiguous run
-of the flat buffer and of every rank's shard, so one fused update covers them.
+A module holding both trainable and frozen parameters (an adapter beside frozen base
+weights, as PEFT makes them) owns two groups, the trainable ones and the frozen ones: each
+group's flat buffer is split evenly over the ranks, so were they one group the few
+trainable elements would fall into one or two ranks' shards, and those ranks alone would
+hold the optimizer state. Inside a group parameters are ordered by optimizer param group,
+then module order: each optimizer group's parameters are then one contiguous run of the
+flat buffer and of every rank's shard, so one fused update covers them.
 """
 
 from __future__ import annotations
@@ -145,7 +149,11 @@ def plan_groups(
             persistent=persistent,
         )
 
-    groups = [plan(wrapped[n], n, pids, not shard_params) for n, pids in members.items() if pids]
-    if small:
-        groups.append(plan(root, "<persistent>", small, True))
+    def split(pids: list[int]) -> list[list[int]]:
+        """Trainable and frozen parameters apart (each shards evenly on its own)."""
+        parts = [[pid for pid in pids if pid in opt_group_of], [pid for pid in pids if pid not in opt_group_of]]
+        return [part for part in parts if part]
+
+    groups = [plan(wrapped[n], n, part, not shard_params) for n, pids in members.items() for part in split(pids)]
+    groups += [plan(root, "<persistent>", part, True) for part in split(small)]
     return groups
