@@ -263,6 +263,10 @@ class TerascaleTrainerMixin:
         given = trainer_given(self.args, num_training_steps)
         config = self.terascale_config.resolve(AutoContext(world_size=world, model=self.model, given=given))
         client = self.optimizer if isinstance(self.optimizer, torch.optim.Optimizer) else None
+        if client is not None:
+            # As the Trainer's DeepSpeed integration does: the optimizer the Trainer built
+            # (TrainingArguments.optim) may step ZeRO's shards unless it needs whole tensors.
+            config = config.model_copy(update={"zero_allow_untested_optimizer": True})
         engine, _, _, _ = initialize(model=self.model, optimizer=client, config=config)
         self.engine = engine
         self.optimizer = EngineOptimizer(engine)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -68,7 +68,8 @@ class Lamb(Optimizer):
         amsgrad: accepted for DeepSpeed compatibility; ``True`` is an error.
     """
 
-    # The trust ratio needs each parameter's whole norm; ZeRO shards are not parameters.
+    # The trust ratio needs each parameter's whole norm: on ZeRO's flat pieces the engine
+    # runs the two-pass step (accumulate_norms, apply_norms) of [Note: optimizers on shards].
     needs_whole_parameters = True
 
     def __init__(
@@ -111,9 +112,15 @@ class Lamb(Optimizer):
         super().__init__(params, defaults)
         # (group index, positions in group["params"], trust-ratio tensor) per bucket.
         self._last_coeffs: list[tuple[int, list[int], torch.Tensor]] = []
+        # On pieces of parameters (ZeRO stages 1-3): the ratio of each whole parameter.
+        self._piece_coeffs: torch.Tensor | None = None
 
     def get_lamb_coeffs(self) -> list[float]:
-        """Trust ratios of the last step, in param-group then parameter order (host sync)."""
+        """Trust ratios of the last step, in param-group then parameter order (host sync);
+        after a step on pieces (ZeRO stages 1-3), one per whole parameter in the order of the
+        engine's parameter numbering (the model's trainable parameters in module order)."""
+        if self._piece_coeffs is not None:
+            return self._piece_coeffs.tolist()
         ordered: dict[tuple[int, int], float] = {}
         for group_idx, positions, coeffs in self._last_coeffs:
             for pos, value in zip(positions, coeffs.tolist()):
@@ -177,6 +184,84 @@ class Lamb(Optimizer):
                 self._last_coeffs.append((group_idx, positions, coeffs))
         return loss
 
+    # -- the two-pass step on pieces of parameters (ZeRO stages 1-3) ---------------------------
+
+    def _group_of(self) -> dict[int, dict[str, Any]]:
+        return {id(p): g for g in self.param_groups for p in g["params"]}
+
+    @staticmethod
+    def _direction(group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+        """The update ``u`` of ``p`` from its moments (a new tensor): m̂ / (√v̂ + eps) + wd·w."""
+        beta1, beta2 = group["betas"]
+        t = int(state["step"])
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        if group["bias_correction"]:
+            m, v = m / (1.0 - beta1**t), v / (1.0 - beta2**t)
+        denom = (v + group["eps"]).sqrt_() if group["eps_inside_sqrt"] else v.sqrt().add_(group["eps"])
+        u = m / denom
+        if group["weight_decay"] != 0:
+            u.add_(p, alpha=group["weight_decay"])
+        return u
+
+    @torch.no_grad()
+    def accumulate_norms(
+        self, params: Sequence[torch.Tensor], segments: Sequence[Sequence[tuple[int, int, int]]], rows: torch.Tensor
+    ) -> None:
+        """Pass 1 of a step on pieces: update the moments of ``params`` (each with its
+        ``.grad``, already unscaled) and add, for each part ``(k, start, end)`` of
+        ``segments[i]``, ``||w||²`` and ``||u||²`` of ``params[i][start:end]`` to
+        ``rows[k]``. ``rows`` is then summed over the ranks and passed to :meth:`apply_norms`."""
+        group_of = self._group_of()
+        for p, parts in zip(params, segments):
+            group = group_of[id(p)]
+            beta1, beta2 = group["betas"]
+            state = self.state[p]
+            if not state:
+                state["step"] = _new_step_count()
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            state["step"] += 1
+            grad = p.grad.to(p.dtype)
+            state["exp_avg"].mul_(beta1).add_(grad, alpha=1.0 - beta1)
+            state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+            if not parts:
+                continue
+            u = self._direction(group, p, state)
+            views_w = [p[a:b] for _, a, b in parts]
+            views_u = [u[a:b] for _, a, b in parts]
+            squares = torch.stack(torch._foreach_norm(views_w + views_u)).to(rows.dtype).square()
+            index = torch.tensor([k for k, _, _ in parts], device=rows.device)
+            rows[:, 0].index_add_(0, index, squares[: len(parts)].to(rows.device))
+            rows[:, 1].index_add_(0, index, squares[len(parts) :].to(rows.device))
+
+    @torch.no_grad()
+    def apply_norms(
+        self,
+        params: Sequence[torch.Tensor],
+        segments: Sequence[Sequence[tuple[int, int, int]]],
+        rows: torch.Tensor,
+        param_groups: Sequence[int],
+    ) -> None:
+        """Pass 2: ``w -= lr · ratio_k · u`` on each part of parameter ``k``, with ``u`` from
+        the moments pass 1 updated and ``ratio_k = clamp(||w_k|| / ||u_k||)`` of the whole
+        parameter (1 where either norm is 0). ``rows`` holds the squares summed over the
+        ranks; ``param_groups[k]`` is parameter ``k``'s param-group index (its clamp bounds)."""
+        norms = rows.sqrt()
+        low = torch.tensor([self.param_groups[g]["min_coeff"] for g in param_groups], dtype=rows.dtype, device=rows.device)
+        high = torch.tensor([self.param_groups[g]["max_coeff"] for g in param_groups], dtype=rows.dtype, device=rows.device)
+        ratio = torch.minimum(torch.maximum(norms[:, 0] / norms[:, 1], low), high)
+        self._piece_coeffs = torch.where((norms[:, 0] > 0) & (norms[:, 1] > 0), ratio, torch.ones_like(ratio))
+        group_of = self._group_of()
+        for p, parts in zip(params, segments):
+            if not parts:
+                continue
+            group = group_of[id(p)]
+            index = torch.tensor([k for k, _, _ in parts], device=rows.device)
+            step_sizes = (self._piece_coeffs[index] * group["lr"]).to(device=p.device, dtype=p.dtype)
+            u = self._direction(group, p, self.state[p])
+            torch._foreach_mul_([u[a:b] for _, a, b in parts], list(step_sizes.unbind()))
+            p.sub_(u)
+
     def _update_bucket(self, group: dict[str, Any], params: list[torch.Tensor],
                        divisor: float | torch.Tensor, device: torch.device) -> torch.Tensor:
         """Apply the LAMB update to same-device, same-dtype ``params``; return the ratios."""
@@ -185,13 +270,13 @@ class Lamb(Optimizer):
         for p in params:
             state = self.state[p]
             if not state:
-                state["step"] = 0
+                state["step"] = _new_step_count()
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] += 1
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
+            steps.append(int(state["step"]))
 
         grads = [p.grad if p.grad.dtype == p.dtype else p.grad.to(p.dtype) for p in params]
         if isinstance(divisor, torch.Tensor) or divisor != 1.0:
@@ -234,6 +319,12 @@ class Lamb(Optimizer):
         torch._foreach_mul_(update, list(step_sizes.unbind()))
         torch._foreach_sub_(params, update)
         return coeffs
+
+
+def _new_step_count() -> torch.Tensor:
+    # A tensor on the host, as torch's own optimizers keep it: checkpoints store tensors,
+    # and reading it for the bias correction costs no device sync.
+    return torch.zeros((), dtype=torch.float32)
 
 
 def _global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:

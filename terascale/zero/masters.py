@@ -111,6 +111,22 @@ class ShardedMasters:
             for k, opts in enumerate(options)
         ]
 
+    def segments(self, number: dict[int, int]) -> list[list[tuple[int, int, int]]]:
+        """For each piece, its parts ``(parameter, start, end)``: elements ``[start, end)`` of
+        the piece belong to the parameter ``number[id(param)]`` numbers."""
+        out = []
+        for p in self.pieces:
+            fg = self.groups[p.group]
+            lo = fg.layout.shard_range(fg.rank)[0] + p.lo
+            hi = lo + (p.hi - p.lo)
+            parts = []
+            for slot, param in zip(fg.layout.slots, fg.params):
+                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if a < b:
+                    parts.append((number[id(param)], a - lo, b - lo))
+            out.append(parts)
+        return out
+
     def grad_pieces(self, shards: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """Each piece's slice of the gradient shards (the optimizer's gradients, before scaling)."""
         out = []

@@ -38,7 +38,9 @@ from terascale.zero.flat_group import FlatParamGroup, ShardState
 from terascale.zero.gather import owner_of, register_owner, unregister
 from terascale.zero.grads import GradPolicy, ShardedGrads
 from terascale.zero.host import map_large_allocations, return_freed_host_memory
+from terascale.optim.lamb import Lamb
 from terascale.zero.masters import ShardedMasters
+from terascale.zero.optimizers import Segments, check_shardable
 from terascale.zero.schedule import ParamSchedule, SchedulePolicy
 from terascale.zero.state_io import sharded_slices
 from terascale.zero.wrap import GroupPlan, WrapPolicy, plan_groups
@@ -57,6 +59,7 @@ class ZeroOptions:
     allgather_bucket_numel: int = 500_000_000
     offload_optimizer: OptimizerOffload = field(default_factory=OptimizerOffload)
     offload_param: ParamOffload = field(default_factory=ParamOffload)
+    allow_untested_optimizer: bool = False  # zero_allow_untested_optimizer
 
     def __post_init__(self) -> None:
         assert self.stage in (1, 2, 3), self.stage
@@ -94,6 +97,7 @@ def zero_options(config: Config, wrap: WrapPolicy | None = None) -> ZeroOptions:
         allgather_bucket_numel=int(zero.allgather_bucket_size),
         offload_optimizer=optimizer_offload(config),
         offload_param=param_offload(config),
+        allow_untested_optimizer=config.zero_allow_untested_optimizer,
     )
 
 
@@ -159,6 +163,11 @@ class ShardedState:
             if device.type == "cpu":
                 return_freed_host_memory()  # the full copies of sharded parameters are gone
         self._group_of = {id(p): g for g, fg in enumerate(self.groups) for p in fg.params}
+        # Trainable parameters numbered in module order, the same on every rank: the rows of
+        # the per-parameter norms of [Note: optimizers on shards].
+        trainable = [p for p in module.parameters() if id(p) in opt_group_of]
+        self._param_number = {id(p): k for k, p in enumerate(trainable)}
+        self._param_opt_group = [opt_group_of[id(p)] for p in trainable]
         self.masters, self.swapper = self._place_masters(options.offload_optimizer)
         nvme_params = self.params is not None and options.offload_param.device == "nvme"
         self.schedule = (
@@ -249,6 +258,9 @@ class ShardedState:
 
     def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
         """Unscale/clip by ``multiplier``, step each sub-group, refresh persistent groups."""
+        if isinstance(optimizer, Lamb):
+            self._step_by_parameter_norms(optimizer, multiplier)
+            return
         grads_of = self._run_grads()
         masters = self.masters.masters
         write = None if self.params is None else self.params.write_piece
@@ -289,6 +301,36 @@ class ShardedState:
         for run in self.masters.sub_groups():
             if run[0] not in swapped:
                 step_and_regather(run)
+        if self.params is not None:
+            self.params.finish_step()
+        regathers.finish()
+
+    def _step_by_parameter_norms(self, optimizer: Lamb, multiplier: torch.Tensor) -> None:
+        """The two-pass step of ``[Note: optimizers on shards]``: moments and partial norms
+        run by run, one all-reduce of the norms, then the updates with whole-parameter
+        trust ratios, each group all-gathered as its last run is done."""
+        segments = Segments(self.masters.segments(self._param_number), len(self._param_number), self.group)
+        masters = self.masters.masters
+        write = None if self.params is None else self.params.write_piece
+        if self.params is not None:
+            self.params.settle()
+        grads_of = self._run_grads()
+        rows = torch.zeros(segments.num_params, 2, dtype=torch.float32, device=self.device)
+        runs = self.masters.sub_groups()
+        for run in runs:
+            grads = [g.to(device=masters[i].device, dtype=torch.float32) for i, g in zip(run, grads_of(run))]
+            torch._foreach_mul_(grads, multiplier.to(masters[run[0]].device))
+            for i, grad in zip(run, grads):
+                masters[i].grad = grad
+            optimizer.accumulate_norms([masters[i] for i in run], [segments.of[i] for i in run], rows)
+            for i in run:
+                masters[i].grad = None
+        segments.reduce(rows)
+        regathers = _Regathers(self.groups, self.options.allgather_bucket_numel)
+        for run in runs:
+            optimizer.apply_norms([masters[i] for i in run], [segments.of[i] for i in run], rows, self._param_opt_group)
+            self.masters.write_to_shards(run, write)
+            regathers.launch_before(self.masters.pieces[run[-1]].group)
         if self.params is not None:
             self.params.finish_step()
         regathers.finish()
@@ -458,11 +500,14 @@ class ShardedState:
         return self.params.resident(groups, write_back)
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if getattr(optimizer, "needs_whole_parameters", False):
+        """Raise ValueError unless ``optimizer`` may step this rank's flat pieces
+        (``[Note: optimizers on shards]``)."""
+        check_shardable(optimizer, self.options.stage, self.options.allow_untested_optimizer)
+        if isinstance(optimizer, Lamb) and self.swapper is not None:
             raise ValueError(
-                f"{type(optimizer).__name__} computes norms of whole parameters, but at ZeRO stage "
-                f"{self.options.stage} each rank steps only a flat shard; use zero_optimization.stage 0 "
-                "with this optimizer, or Adam/AdamW/SGD"
+                "Lamb with zero_optimization.offload_optimizer.device 'nvme': the trust ratios need two passes "
+                "over the optimizer state, which would read the swap files twice a step; offload to 'cpu', or "
+                "use Adam/AdamW with NVMe"
             )
 
     def remove_hooks(self) -> None:
