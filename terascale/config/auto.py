@@ -9,8 +9,9 @@ terascale resolves them in three layers, so that a config means the same everywh
 1. an integration *gives* values (:class:`Given`: the Trainer's ``learning_rate`` for
    ``optimizer.params.lr``, ...). A given value fills an ``"auto"``; an explicit value
    that disagrees with a given one marked ``match`` is an error naming both (what the
-   Trainer's DeepSpeed integration does). A key absent from the config stays absent:
-   ``"auto"`` is how a config asks for the integration's value.
+   Trainer's DeepSpeed integration does). A key absent from the config stays absent
+   (``"auto"`` is how a config asks for the integration's value), unless the value is
+   marked ``absent`` (Lightning's DeepSpeed strategy fills absent keys).
 2. what the config and the run determine by themselves: the batch triplet from its other
    members and the world size; ``reduce_bucket_size`` = hidden²,
    ``stage3_prefetch_bucket_size`` = 0.9·hidden², ``stage3_param_persistence_threshold``
@@ -74,6 +75,7 @@ class Given:
     value: Any
     source: str  # e.g. "TrainingArguments.learning_rate"
     match: bool = True  # an explicit config value must equal it
+    absent: bool = False  # also fill the key where the config leaves it out (Lightning's way)
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,7 @@ def _set(data: dict[str, Any], path: str, value: Any) -> None:
     *parents, last = path.split(".")
     node = data
     for part in parents:
-        node = node[part]
+        node = node.setdefault(part, {})
     if value is _MISSING:
         node.pop(last, None)
     else:
@@ -185,6 +187,9 @@ def resolve_autos(data: dict[str, Any], autos: Sequence[str], ctx: AutoContext) 
     for path, given in ctx.given.items():
         current = _get(r.out, path)
         if current is _MISSING:
+            if given.absent:
+                _set(r.out, path, given.value)
+                r.done.append(Resolved(path, given.value, f"{given.source} (not in the config)"))
             continue
         if path in r.pending:
             r.fill(path, given.value, given.source)
