@@ -60,3 +60,38 @@ def test_fp16_dynamic_scaling_on_cuda():
     record = run_ranks(precision._fp16_rank, 1, False)[0]
     assert [r[1] for r in record] == [0, 0, 1, 2, 3, 3, 3, 3]
     assert [r[0] for r in record] == [256.0, 512.0, 512.0, 256.0, 128.0, 128.0, 256.0, 256.0]
+
+
+# -- the integrations and LAMB on shards, on one GPU -----------------------------------------------
+
+
+def test_hf_trainer_on_cuda_matches_the_plain_trainer(tmp_path):
+    import test_hf_trainer as hf
+
+    cases = [("stage3", hf._zero(3)), ("stage3_cpu", hf._zero(3, offload_optimizer={"device": "cpu", "pin_memory": True},
+                                                             offload_param={"device": "cpu", "pin_memory": True}))]  # fmt: skip
+    (result,) = run_ranks(hf._parity_rank, 1, str(tmp_path), cases, timeout=400)
+    ref_history, ref_state = result["plain"]
+    for name, _ in cases:
+        history, state = result[name]
+        for (loss, norm, _), (ref_loss, ref_norm, _) in zip(history, ref_history):
+            assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-4), name
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v.float().cpu(), rtol=1e-5, atol=2e-6, msg=f"{name}: {k}")
+
+
+def test_lightning_strategy_on_cuda_matches_ddp(tmp_path):
+    import test_lightning as lightning
+
+    cases = [("stage3", lightning._zero(3)), ("stage2_cpu", lightning._zero(2, offload_optimizer={"device": "cpu"}))]
+    (result,) = run_ranks(lightning._parity_rank, 1, str(tmp_path), cases, timeout=400)
+    ref_seen, ref_val, _ = result["ddp"]
+    for name, _ in cases:
+        seen, val, _ = result[name]
+        torch.testing.assert_close(torch.tensor(seen), torch.tensor(ref_seen), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_lamb_on_cuda_shards_uses_whole_parameter_trust_ratios():
+    import test_zero_optimizers as optimizers
+
+    optimizers._check(1, [("lamb", {"stage": 3, "sub_group_size": 7}, "config"), ("lamb", {"stage": 2}, "client")])

@@ -20,6 +20,12 @@ from distributed import run_ranks
 transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ = 96, 16
+
+
+def _on_cpu() -> bool:
+    """Whether this rank trains on the CPU (run_ranks gives each rank a GPU where there are enough)."""
+    return os.environ.get("TERASCALE_DEVICE") == "cpu" or not torch.cuda.is_available()
+
 _VERSION = tuple(int(p) for p in transformers.__version__.split(".")[:2])
 # Older Trainers log the loss rounded to 4 decimals, and their DDP runs reduce gradients
 # in the middle of a window that spans two epochs (a short last window is not ended at the
@@ -71,7 +77,7 @@ def _args(out: str, **kw):
 
     base = dict(
         output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=4, num_train_epochs=2,
-        learning_rate=3e-3, warmup_steps=2, max_grad_norm=0.5, logging_steps=1, report_to=[], use_cpu=True,
+        learning_rate=3e-3, warmup_steps=2, max_grad_norm=0.5, logging_steps=1, report_to=[], use_cpu=_on_cpu(),
         save_strategy="no", seed=0, disable_tqdm=True,
     )  # fmt: skip
     base.update(kw)
@@ -219,7 +225,7 @@ def _peft_rank(out: str) -> dict:
     # The config through terascale's TrainingArguments(deepspeed=...), as users of the Trainer write it.
     args = TrainingArguments(output_dir=f"{out}/lora", deepspeed=config, per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, num_train_epochs=1, learning_rate=1e-2, report_to=[],
-                             use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True, logging_steps=1)  # fmt: skip
+                             use_cpu=_on_cpu(), save_strategy="no", seed=0, disable_tqdm=True, logging_steps=1)  # fmt: skip
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(32))
     trainer.train()
     engine = trainer.engine
@@ -279,7 +285,7 @@ def _subclasses_rank(out: str, with_trl: bool) -> dict:
             return {"input_ids": self.ids[i], "labels": self.ids[i].flip(0)}
 
     common = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, num_train_epochs=1,
-                  learning_rate=3e-3, report_to=[], use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True,
+                  learning_rate=3e-3, report_to=[], use_cpu=_on_cpu(), save_strategy="no", seed=0, disable_tqdm=True,
                   logging_steps=1)  # fmt: skip
     out_ = {}
     plain = hf.Seq2SeqTrainer(model=t5(), args=hf.Seq2SeqTrainingArguments(output_dir=f"{out}/s0", **common),

@@ -70,7 +70,8 @@ def _fit(out: str, strategy, *, manual: bool = False, epochs: int = 2, ckpt: str
 
     net = _module_class()(manual=manual)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, num_nodes=1, strategy=strategy, max_epochs=epochs, enable_progress_bar=False,
+        accelerator="cpu" if os.environ.get("TERASCALE_DEVICE") == "cpu" or not torch.cuda.is_available() else "gpu",
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]), num_nodes=1, strategy=strategy, max_epochs=epochs, enable_progress_bar=False,
         logger=False, enable_model_summary=False, enable_checkpointing=False, default_root_dir=out,
         accumulate_grad_batches=1 if manual else 2, gradient_clip_val=None if manual else 0.5,
         num_sanity_val_steps=0,

@@ -32,14 +32,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from terascale.config.batch import resolve_batch_sizes
 from terascale.config.errors import ConfigError
+from terascale.config.paths import MISSING as _MISSING
+from terascale.config.paths import get as _get
+from terascale.config.paths import put as _set
 
 AUTO = "auto"
-_MISSING = object()
 
 _TRIPLET = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # Both spellings DeepSpeed accepts (JSON alias and field name) of the hidden-size keys.
@@ -97,7 +98,7 @@ class Resolved:
     why: str
 
     def __str__(self) -> str:
-        shown = "(the optimizer's default)" if self.value is _MISSING else repr(self.value)
+        shown = "<the default>" if self.value is _MISSING else repr(self.value)
         return f"{self.path}={shown} ({self.why})"
 
 
@@ -122,32 +123,8 @@ def without(data: Mapping[str, Any], paths: Iterable[str]) -> dict[str, Any]:
     """A deep copy of ``data`` with the keys at ``paths`` removed."""
     out = copy.deepcopy(dict(data))
     for path in paths:
-        *parents, last = path.split(".")
-        node = out
-        for part in parents:
-            node = node[part]
-        node.pop(last, None)
+        _set(out, path, _MISSING)
     return out
-
-
-def _get(data: Mapping[str, Any], path: str) -> Any:
-    node: Any = data
-    for part in path.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return _MISSING
-        node = node[part]
-    return node
-
-
-def _set(data: dict[str, Any], path: str, value: Any) -> None:
-    *parents, last = path.split(".")
-    node = data
-    for part in parents:
-        node = node.setdefault(part, {})
-    if value is _MISSING:
-        node.pop(last, None)
-    else:
-        node[last] = value
 
 
 def hidden_size(model: nn.Module | None) -> int | None:

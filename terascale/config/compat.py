@@ -32,8 +32,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from terascale.config.errors import ConfigError
-
-_MISSING = object()
+from terascale.config.paths import MISSING as _MISSING
+from terascale.config.paths import get as _get
+from terascale.config.paths import put as _put
 # A foreign key this close to a setting's name is taken for a typo of it (an error).
 _TYPO_CUTOFF = 0.85
 
@@ -49,29 +50,8 @@ class _Move:
     convert: Callable[[Any], Any] = lambda value: value
 
 
-def _get(data: Mapping[str, Any], path: str) -> Any:
-    node: Any = data
-    for part in path.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return _MISSING
-        node = node[part]
-    return node
-
-
 def _pop(data: dict[str, Any], path: str) -> None:
-    *parents, last = path.split(".")
-    node: Any = data
-    for part in parents:
-        node = node[part]
-    del node[last]
-
-
-def _put(data: dict[str, Any], path: str, value: Any) -> None:
-    *parents, last = path.split(".")
-    node = data
-    for part in parents:
-        node = node.setdefault(part, {})
-    node[last] = value
+    _put(data, path, _MISSING)
 
 
 def _fp32_if_true(value: Any) -> Any:

@@ -26,6 +26,7 @@ from terascale.engine.loss_scaler import build_loss_scaler
 from terascale.engine.model_state import ModelState, adopt_optimizer, build_model_state
 from terascale.engine.monitor import StepTimers, build_monitors
 from terascale.engine.precision import PrecisionPolicy
+from terascale.offload.policy import unpinned_keys
 from terascale.optim import build_optimizer, build_scheduler
 from terascale.zero import WrapPolicy
 
@@ -544,8 +545,6 @@ def _log_config_notes(config: Config) -> None:
         logger.warning("config: %s", note)
     if config.resolved:
         logger.info('config: resolved "auto": %s', "; ".join(str(r) for r in config.resolved))
-    from terascale.offload.policy import unpinned_keys
-
     unpinned = unpinned_keys(config)
     if unpinned:
         logger.warning(
