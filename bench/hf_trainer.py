@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from step_time import run_interleaved  # the same torchrun jobs, interleaved and rotated
+
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("ddp", "terascale-0", "terascale-2", "terascale-3", "deepspeed-2", "deepspeed-3")
 AUTO = {
@@ -138,23 +140,6 @@ def worker(args: argparse.Namespace) -> None:
 # -- the driver -----------------------------------------------------------------------------
 
 
-def run_job(args: argparse.Namespace, system: str, result: Path) -> dict:
-    forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k not in ("systems", "nproc", "repeats", "worker", "result", "json", "peers_python")]
-    python = args.peers_python if system.startswith("deepspeed") else sys.executable
-    cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           __file__, f"--worker={system}", f"--result={result}", *forwarded]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    if system.startswith("deepspeed"):
-        env.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/peers-ext")
-        env["DS_ACCELERATOR"] = env.get("DS_ACCELERATOR", "cpu")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0 and not result.exists():
-        raise SystemExit(f"{system} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(result.read_text())
-
-
 def _peers_have_the_trainer(python: str) -> bool:
     if not Path(python).exists():
         return False
@@ -177,19 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     if any(s.startswith("deepspeed") for s in systems) and not _peers_have_the_trainer(args.peers_python):
         print(f"DeepSpeed left out: {args.peers_python} lacks deepspeed/transformers/accelerate", file=sys.stderr)
         systems = [s for s in systems if not s.startswith("deepspeed")]
-    runs: dict[str, list[dict]] = {s: [] for s in systems}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.repeats):
-            order = systems[r % len(systems):] + systems[: r % len(systems)]
-            for system in order:
-                res = run_job(args, system, Path(tmp) / f"{system}-{r}.json")
-                runs[system].append(res)
-                med = statistics.median(res["times"][args.warmup:]) * 1e3
-                print(f"repeat {r} {system:12s} median {med:8.1f} ms/step", file=sys.stderr, flush=True)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1) + "\n")
-    print(f"wrote {out}", file=sys.stderr)
+    runs = run_interleaved(args, systems, __file__)
 
     base = "ddp" if "ddp" in runs else systems[0]
     base_ms = statistics.median(t for res in runs[base] for t in res["times"][args.warmup:]) * 1e3

@@ -202,7 +202,10 @@ def worker(args: argparse.Namespace) -> None:
     from gpt import load_stdlib_corpus
 
     rows_needed = args.steps * world * args.micro_batch
-    text = load_stdlib_corpus(max_bytes=rows_needed * (args.seq + 1) * 2, seed=1).train.long()
+    budget = rows_needed * (args.seq + 1) * 2
+    text = load_stdlib_corpus(max_bytes=budget, seed=1).train.long()
+    if text.numel() < rows_needed * (args.seq + 1):  # whole files are sampled: a small budget can come back short
+        text = load_stdlib_corpus(max_bytes=max(budget, 1 << 20), seed=1).train.long()
     tokens = text[: rows_needed * (args.seq + 1)].view(args.steps, world * args.micro_batch, args.seq + 1)
     times, losses = [], []
     for s in range(args.steps):
@@ -235,12 +238,14 @@ def worker(args: argparse.Namespace) -> None:
 # -- the driver -----------------------------------------------------------------------------
 
 
-def run_job(args: argparse.Namespace, system: str, result: Path) -> dict:
+def run_job(args: argparse.Namespace, system: str, result: Path, script: str = __file__) -> dict:
+    """Run ``script --worker=system`` under torchrun (DeepSpeed's systems from the peers'
+    python) with the driver's options; return the JSON its rank 0 wrote to ``result``."""
     forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                  if k not in ("systems", "nproc", "repeats", "worker", "result", "json", "peers_python")]
     python = args.peers_python if system.startswith("deepspeed") else sys.executable
     cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           __file__, f"--worker={system}", f"--result={result}", *forwarded]
+           script, f"--worker={system}", f"--result={result}", *forwarded]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if system.startswith("deepspeed"):
@@ -258,6 +263,25 @@ def run_job(args: argparse.Namespace, system: str, result: Path) -> dict:
             return json.loads(result.read_text())
         print(f"{system}: failed (attempt {attempt + 1}):\n{proc.stderr[-1500:]}", file=sys.stderr)
     raise SystemExit(f"{system} failed twice:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def run_interleaved(args: argparse.Namespace, systems: list[str], script: str = __file__) -> dict[str, list[dict]]:
+    """Every system ``args.repeats`` times, the order rotated each repeat so the machine's
+    drift falls on all alike; each run's results by system, also written to ``args.json``."""
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.repeats):
+            order = systems[r % len(systems):] + systems[: r % len(systems)]
+            for system in order:
+                res = run_job(args, system, Path(tmp) / f"{system}-{r}.json", script)
+                runs[system].append(res)
+                med = statistics.median(res["times"][args.warmup:]) * 1e3
+                print(f"repeat {r} {system:12s} median {med:8.1f} ms/step", file=sys.stderr, flush=True)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+    return runs
 
 
 def _params(args: argparse.Namespace) -> int:
@@ -284,20 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     if any(s.startswith("deepspeed") for s in systems) and not Path(args.peers_python).exists():
         print(f"DeepSpeed left out: {args.peers_python} not found (see ../shared/BENCHMARKING.md)", file=sys.stderr)
         systems = [s for s in systems if not s.startswith("deepspeed")]
-    runs: dict[str, list[dict]] = {s: [] for s in systems}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.repeats):
-            order = systems[r % len(systems):] + systems[: r % len(systems)]
-            for system in order:
-                res = run_job(args, system, Path(tmp) / f"{system}-{r}.json")
-                runs[system].append(res)
-                med = statistics.median(res["times"][args.warmup:]) * 1e3
-                print(f"repeat {r} {system:12s} median {med:8.1f} ms/step", file=sys.stderr, flush=True)
-
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1) + "\n")
-    print(f"wrote {out}", file=sys.stderr)
+    runs = run_interleaved(args, systems)
 
     base = "ddp" if "ddp" in runs else systems[0]
     base_ms = statistics.median(t for res in runs[base] for t in res["times"][args.warmup:]) * 1e3
