@@ -43,6 +43,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from terascale.config import AutoContext, Config, Given
 from terascale.engine import Engine, initialize
+from terascale.integrations.optimizer import EngineOptimizer
 
 _TAG = "checkpoint"
 _HALF = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
@@ -81,7 +82,7 @@ class TerascalePrecision(Precision):
     def optimizer_step(self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any) -> Any:
         result = closure()
         self._after_closure(model, optimizer)
-        self._strategy.engine.step()
+        optimizer.step()  # the EngineOptimizer: the engine's update
         return result
 
     def clip_gradients(
@@ -103,39 +104,6 @@ def _cast_floats(data: Any, dtype: torch.dtype) -> Any:
         cast = [_cast_floats(v, dtype) for v in data]
         return type(data)(*cast) if hasattr(data, "_fields") else type(data)(cast)
     return data
-
-
-class _EngineOptimizer(torch.optim.Optimizer):
-    """What Lightning holds as its optimizer: param groups and state are the engine
-    optimizer's (Lightning's schedulers set ``lr`` on them); stepping goes through the
-    precision plugin to the engine, and gradients are cleared by the engine's step."""
-
-    def __init__(self, engine: Engine) -> None:  # noqa: D107 - no parameters of its own
-        self.engine = engine
-
-    @property
-    def param_groups(self) -> list[dict]:  # type: ignore[override]
-        return self.engine.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.engine.optimizer.state
-
-    @property
-    def defaults(self) -> dict:  # type: ignore[override]
-        return self.engine.optimizer.defaults
-
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        return closure() if closure is not None else None  # the precision plugin steps the engine
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass
-
-    def state_dict(self) -> dict:
-        return self.engine.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.engine.optimizer.load_state_dict(state_dict)
 
 
 class TerascaleStrategy(DDPStrategy):
@@ -199,7 +167,7 @@ class TerascaleStrategy(DDPStrategy):
             config = config.model_copy(update={"zero_allow_untested_optimizer": True})  # as Lightning's does
         self.engine, _, _, _ = initialize(model=module, optimizer=optimizer, config=config)
         self.model = self.engine
-        self.optimizers = [_EngineOptimizer(self.engine)]
+        self.optimizers = [EngineOptimizer(self.engine)]
         self.lr_scheduler_configs = schedulers
 
     def _given(self, trainer: pl.Trainer) -> dict[str, Given]:

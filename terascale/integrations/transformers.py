@@ -39,6 +39,7 @@ import transformers
 
 from terascale.config import AutoContext, Config, Given
 from terascale.engine import Engine, initialize
+from terascale.integrations.optimizer import EngineOptimizer
 
 _SCHEDULER_FILE = "scheduler.pt"
 
@@ -71,47 +72,6 @@ def trainer_given(args: Any, num_training_steps: int | None = None) -> dict[str,
             max(1, args.get_warmup_steps(num_training_steps)), arg + "warmup_steps / warmup_ratio"
         )
     return given
-
-
-class EngineOptimizer(torch.optim.Optimizer):
-    """What the Trainer holds as its optimizer: ``step()`` is the engine's update at the
-    end of an accumulation window. ``param_groups`` and ``state`` are the engine
-    optimizer's own (schedules that set ``lr`` on the groups act on it directly).
-
-    Deliberately not ``Optimizer.__init__``: it has no parameters of its own.
-    """
-
-    def __init__(self, engine: Engine) -> None:  # noqa: D107 - see the class docstring
-        self.engine = engine
-        self.lrs_of_last_step: list[float] | None = None
-
-    @property
-    def param_groups(self) -> list[dict]:  # type: ignore[override]
-        return self.engine.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.engine.optimizer.state
-
-    @property
-    def defaults(self) -> dict:  # type: ignore[override]
-        return self.engine.optimizer.defaults
-
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        self.lrs_of_last_step = self.engine.get_lr()
-        self.engine.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass  # the engine clears each window's gradients after its update
-
-    def state_dict(self) -> dict:
-        return self.engine.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.engine.optimizer.load_state_dict(state_dict)
-
-    def __repr__(self) -> str:
-        return f"EngineOptimizer({type(self.engine.optimizer).__name__})"
 
 
 class EngineSchedule:
