@@ -35,6 +35,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import transformers
 
 from terascale.config import AutoContext, Config, Given
@@ -217,8 +218,6 @@ class TerascaleTrainerMixin:
     def _ensure_engine(self, num_training_steps: int | None) -> None:
         if self.engine is not None:
             return
-        import torch.distributed as dist
-
         world = dist.get_world_size() if dist.is_initialized() else 1
         given = trainer_given(self.args, num_training_steps)
         config = self.terascale_config.resolve(AutoContext(world_size=world, model=self.model, given=given))
