@@ -51,7 +51,8 @@ def key_names(model: type[BaseModel]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _field_for_key(model: type[BaseModel], key: str) -> str | None:
+def field_for_key(model: type[BaseModel], key: str) -> str | None:
+    """The field of ``model`` that JSON key ``key`` sets (by name or any alias), or None."""
     for name, field in model.model_fields.items():
         if key == name or key == field.alias or key == field.validation_alias:
             return name
@@ -81,7 +82,7 @@ def _model_at(root: type[BaseModel], loc: Iterable[str | int]) -> type[BaseModel
             return None
         if isinstance(part, int):
             continue
-        name = _field_for_key(model, part)
+        name = field_for_key(model, part)
         if name is None:
             return None
         model = submodel(model.model_fields[name].annotation)
@@ -115,11 +116,11 @@ def _unknown_key(root: type[BaseModel], loc: Sequence[str | int]) -> str:
     parent = _model_at(root, loc[:-1])
     if parent is None or not isinstance(key, str):
         return "unknown key"
-    same = _field_for_key(parent, key)
+    same = field_for_key(parent, key)
     if same is not None:
         # The key is valid, so pydantic refused it because another spelling of the same
         # setting (an alias) was given too.
-        spellings = [k for k in key_names(parent) if _field_for_key(parent, k) == same and k != key]
+        spellings = [k for k in key_names(parent) if field_for_key(parent, k) == same and k != key]
         return f"duplicate of {', '.join(repr(s) for s in spellings)} (same setting); keep one"
     match = difflib.get_close_matches(key, key_names(parent), n=1, cutoff=0.6)
     if match:

@@ -19,8 +19,8 @@ from pydantic import AliasChoices, Field, PrivateAttr, ValidationError, field_va
 
 from terascale.config.auto import AutoContext, Resolved, find_autos, resolve_autos, without
 from terascale.config.batch import BatchSizes, resolve_batch_sizes
-from terascale.config.errors import ConfigError, submodel, from_validation_error, key_names
 from terascale.config.compat import upgrade
+from terascale.config.errors import ConfigError, from_validation_error, key_names, submodel
 from terascale.config.section import TORCH_DTYPES, DtypeName, Section, normalize_dtype_name
 from terascale.config.source import read_source
 from terascale.config.zero import AioConfig, ZeroConfig
@@ -311,7 +311,7 @@ class Config(Section):
             return source
         data, label = read_source(source)
         try:
-            data, notes = upgrade(data, _lenient_sections())
+            data, notes = upgrade(data, _LENIENT_SECTIONS)
         except ConfigError as err:
             raise ConfigError(err.problems, source=label) from None
         autos = find_autos(data, skip=_LOOSE_SECTIONS)
@@ -441,3 +441,6 @@ def _lenient_sections() -> dict[str, list[str]]:
     for name in ("activation_checkpointing", "flops_profiler", "aio", "checkpoint", "data_types"):
         sections[name] = submodel(Config.model_fields[name].annotation)
     return {name: key_names(model) for name, model in sections.items()}
+
+
+_LENIENT_SECTIONS = _lenient_sections()

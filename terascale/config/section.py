@@ -7,7 +7,9 @@ import typing
 from typing import Any, Literal
 
 import torch
-from pydantic import AliasChoices, BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from terascale.config.errors import field_for_key
 
 DtypeName = Literal["fp32", "fp16", "bf16"]
 
@@ -92,16 +94,13 @@ def _annotation_types(annotation: Any) -> set[Any]:
 
 def _number_kinds(model: type[BaseModel], key: str) -> set[type]:
     """{int} / {float} / {int, float} when ``key`` of ``model`` takes numbers and no strings."""
-    for name, field in model.model_fields.items():
-        alias = field.validation_alias
-        choices = alias.choices if isinstance(alias, AliasChoices) else [alias]
-        spellings = {name, field.alias, *(c for c in choices if isinstance(c, str))}
-        if key in spellings:
-            kinds = _annotation_types(field.annotation)
-            if str in kinds or any(typing.get_origin(k) is Literal for k in kinds):
-                return set()
-            return {k for k in kinds if k in (int, float)}
-    return set()
+    name = field_for_key(model, key)
+    if name is None:
+        return set()
+    kinds = _annotation_types(model.model_fields[name].annotation)
+    if str in kinds or any(typing.get_origin(k) is Literal for k in kinds):
+        return set()
+    return {k for k in kinds if k in (int, float)}
 
 
 def _parse_number(text: str, integer: bool) -> Any:

@@ -15,6 +15,7 @@ parameter shards; persistent groups are then all-gathered back to full.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -34,11 +35,11 @@ from terascale.offload.optimizer import OptimizerSwapper
 from terascale.offload.params import OffloadedParams
 from terascale.offload.policy import ParamOffload, param_offload
 from terascale.offload.swap import SwapDirectory
+from terascale.optim.lamb import Lamb
 from terascale.zero.flat_group import FlatParamGroup, ShardState
 from terascale.zero.gather import owner_of, register_owner, unregister
 from terascale.zero.grads import GradPolicy, ShardedGrads
 from terascale.zero.host import map_large_allocations, return_freed_host_memory
-from terascale.optim.lamb import Lamb
 from terascale.zero.masters import ShardedMasters
 from terascale.zero.optimizers import Segments, check_shardable
 from terascale.zero.schedule import ParamSchedule, SchedulePolicy
@@ -277,14 +278,8 @@ class ShardedState:
                 host_adam.step(optimizer, [masters[i] for i in run], [pieces[i] for i in run], multiplier.cpu(), outs)
                 self.masters.write_to_shards([i for i, out in zip(run, outs) if out is None], write)
                 return
-            # On an offload tier the fp32 gradients are made on the host, in one copy.
-            grads = [pieces[i].to(device=masters[i].device, dtype=torch.float32) for i in run]
-            torch._foreach_mul_(grads, multiplier.to(masters[run[0]].device))
-            for i, grad in zip(run, grads):
-                masters[i].grad = grad
-            optimizer.step()
-            for i in run:
-                masters[i].grad = None
+            with self._masters_with_grads(run, [pieces[i] for i in run], multiplier):
+                optimizer.step()
             self.masters.write_to_shards(run, write)
 
         # Runs go in group order (offloaded runs are the first ones); each group's
@@ -309,7 +304,7 @@ class ShardedState:
         """The two-pass step of ``[Note: optimizers on shards]``: moments and partial norms
         run by run, one all-reduce of the norms, then the updates with whole-parameter
         trust ratios, each group all-gathered as its last run is done."""
-        segments = Segments(self.masters.segments(self._param_number), len(self._param_number), self.group)
+        segments = self._segments
         masters = self.masters.masters
         write = None if self.params is None else self.params.write_piece
         if self.params is not None:
@@ -318,13 +313,8 @@ class ShardedState:
         rows = torch.zeros(segments.num_params, 2, dtype=torch.float32, device=self.device)
         runs = self.masters.sub_groups()
         for run in runs:
-            grads = [g.to(device=masters[i].device, dtype=torch.float32) for i, g in zip(run, grads_of(run))]
-            torch._foreach_mul_(grads, multiplier.to(masters[run[0]].device))
-            for i, grad in zip(run, grads):
-                masters[i].grad = grad
-            optimizer.accumulate_norms([masters[i] for i in run], [segments.of[i] for i in run], rows)
-            for i in run:
-                masters[i].grad = None
+            with self._masters_with_grads(run, grads_of(run), multiplier):
+                optimizer.accumulate_norms([masters[i] for i in run], [segments.of[i] for i in run], rows)
         segments.reduce(rows)
         regathers = _Regathers(self.groups, self.options.allgather_bucket_numel)
         for run in runs:
@@ -334,6 +324,26 @@ class ShardedState:
         if self.params is not None:
             self.params.finish_step()
         regathers.finish()
+
+    @contextlib.contextmanager
+    def _masters_with_grads(self, run: list[int], pieces: Sequence[torch.Tensor], multiplier: torch.Tensor) -> Iterator[None]:
+        """Run ``run``'s masters with their fp32 gradients ``pieces × multiplier`` (made on
+        the masters' device, in one copy on an offload tier) while the body steps them."""
+        masters = self.masters.masters
+        grads = [g.to(device=masters[i].device, dtype=torch.float32) for i, g in zip(run, pieces)]
+        torch._foreach_mul_(grads, multiplier.to(masters[run[0]].device))
+        for i, grad in zip(run, grads):
+            masters[i].grad = grad
+        try:
+            yield
+        finally:
+            for i in run:
+                masters[i].grad = None
+
+    @functools.cached_property
+    def _segments(self) -> Segments:
+        """Where each parameter lies in this rank's master pieces (fixed by the layout)."""
+        return Segments(self.masters.segments(self._param_number), len(self._param_number), self.group)
 
     def _run_grads(self) -> Callable[[list[int]], list[torch.Tensor]]:
         """``run -> its pieces' gradients``; from swap files, read one run ahead."""
