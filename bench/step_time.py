@@ -210,16 +210,9 @@ def worker(args: argparse.Namespace) -> None:
     times, losses = [], []
     for s in range(args.steps):
         rows = tokens[s, rank * args.micro_batch : (rank + 1) * args.micro_batch].to(device)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        loss = step(rows[:, :-1], rows[:, 1:])
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-        mean = loss.detach().float().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+        seconds, loss = timed_step(step, rows, device)
+        times.append(seconds)
+        losses.append(loss)
     if device.type == "cuda":
         peak_mib = torch.cuda.max_memory_allocated(device) / 2**20
     else:
@@ -233,6 +226,23 @@ def worker(args: argparse.Namespace) -> None:
     # abort a rank whose peer closes its sockets first.
     dist.barrier()
     dist.destroy_process_group()
+
+
+def timed_step(step, rows, device) -> tuple[float, float]:
+    """Run ``step`` on next-token ``rows``; (seconds it took, loss averaged over ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    loss = step(rows[:, :-1], rows[:, 1:])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    mean = loss.detach().float().clone()
+    dist.all_reduce(mean)
+    return seconds, mean.item() / dist.get_world_size()
 
 
 # -- the driver -----------------------------------------------------------------------------

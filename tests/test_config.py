@@ -578,11 +578,8 @@ def test_require_built_lists_everything_at_once() -> None:
     settings = [p.split(": ", 1)[0] for p in problems]
     assert settings == [
         "zero_optimization.zero_quantized_gradients=true",
-        "activation_checkpointing.partition_activations=true",
-        "activation_checkpointing.cpu_checkpointing=true",
         "flops_profiler.enabled=true",
         "checkpoint.use_node_local_storage=true",
-        "sparse_gradients=true",
         "pipeline.stages=2",
         "elasticity.enabled=true",
         "compression_training.sparse_pruning.shared_parameters.enabled=true",

@@ -95,3 +95,85 @@ def test_lamb_on_cuda_shards_uses_whole_parameter_trust_ratios():
     import test_zero_optimizers as optimizers
 
     optimizers._check(1, [("lamb", {"stage": 3, "sub_group_size": 7}, "config"), ("lamb", {"stage": 2}, "client")])
+
+
+def test_activation_checkpointing_on_cuda_matches_plain_pytorch(tmp_path):
+    # Host offload on a side stream into pinned buffers (reused across steps), the contiguous
+    # arena in pinned memory, NVMe spill from the GPU, selective checkpointing, at stages 0
+    # and 3, against plain PyTorch on the same GPU (CUDA dropout replayed by the recompute).
+    import test_activation_checkpointing as act
+
+    cases = [(p, t, 2) for p in ("blocks", "selective", "every_n") for t in ("device", "host", "nvme", "contiguous")]
+    for stage in (0, 3):
+        results = run_ranks(act._parity_rank, 1, stage, cases, str(tmp_path), timeout=600)
+        assert all(r["device"] == "cuda:0" for r in results[0])
+
+
+def _cuda_offload_store() -> dict:
+    import terascale.checkpointing as ckpt
+    from act_model import Block
+
+    ckpt.configure(checkpoint_in_cpu=True, contiguous_checkpointing=False)
+    store = ckpt._API.checkpointing.store
+    block = Block(64).cuda()
+    x = torch.randn(8, 64, device="cuda", requires_grad=True)
+    for _ in range(2):  # the second step reuses the first step's pinned buffers
+        h = x
+        for _ in range(4):
+            h = ckpt.checkpoint(block, h, scale=0.5)
+        ckpt._API.checkpointing.before_backward()
+        h.sum().backward()
+    pooled = store._pool._free
+    return {
+        "offloads": store.offloads,
+        "side_stream": store._copies._side is not None,
+        "pinned": all(b.is_pinned() for bufs in pooled.values() for b, _ in bufs),
+        "pooled": sum(len(v) for v in pooled.values()),
+        "peak": store.resident_peak,
+    }
+
+
+def test_cpu_checkpointing_on_cuda_uses_a_side_stream_and_reuses_pinned_buffers():
+    facts = run_ranks(_cuda_offload_store, 1)[0]
+    assert facts["offloads"] and facts["side_stream"] and facts["pinned"]
+    assert facts["pooled"] == 4  # one buffer per checkpoint, taken again by the second step
+    assert facts["peak"] <= 3 * 8 * 64 * 4  # the prefetch window, not every checkpoint
+
+
+def _sparse_on_cuda() -> list:
+    import terascale
+    from torch import nn
+
+    out = []
+    for stage in (0, 2, 3):
+        for sparse in (True, False):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Embedding(100, 16, sparse=sparse), nn.Flatten(), nn.Linear(4 * 16, 3))
+            config = {"train_batch_size": 8, "sparse_gradients": True, "steps_per_print": 1000,
+                      "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                      "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}  # fmt: skip
+            engine, *_ = terascale.initialize(model=model, config=config)
+            g = torch.Generator().manual_seed(1)
+            for _ in range(3):
+                ids, y = torch.randint(0, 100, (8, 4), generator=g), torch.randint(0, 3, (8,), generator=g)
+                out_ = engine(ids)
+                engine.backward(torch.nn.functional.cross_entropy(out_, y.to(out_.device)))
+                engine.step()
+            out.append(engine.full_state_dict())
+            engine.destroy()
+    return out
+
+
+def test_sparse_gradients_on_cuda_match_the_dense_embedding():
+    states = run_ranks(_sparse_on_cuda, 1)[0]
+    for sparse_state, dense_state in zip(states[::2], states[1::2]):
+        for key, value in dense_state.items():
+            torch.testing.assert_close(sparse_state[key], value, rtol=1e-5, atol=2e-6)
+
+
+def test_tiled_linear_on_cuda_gathers_one_tile_at_a_time():
+    import test_tiling
+
+    for ratio, _ in run_ranks(test_tiling._zero3_tiled_rank, 1):
+        assert 0 < ratio <= 1.2, ratio
+    run_ranks(test_tiling._tile_above_rank, 1, 3)

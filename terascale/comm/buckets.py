@@ -16,6 +16,17 @@ ends with one "used" flag per parameter that is summed with the gradients: a par
 that received no gradient on any rank (e.g. a branch not taken this step) gets ``None``
 instead of a zero gradient, exactly as in single-process PyTorch, and costs no extra
 collective.
+
+With ``sparse_gradients`` on, the parameters named in ``ReducePolicy.sparse_params``
+(sparse embeddings, see [Note: sparse gradients] in :mod:`terascale.comm.sparse`) are in
+no bucket: their sparse micro-step gradients accumulate as coalesced rows, and
+:meth:`GradientBuckets.finish` all-gathers every rank's rows (after launching the
+buckets, in parameter order on every rank), sums them and adds them into the parameter's
+slot of the flat buffer, which is zero until then. The optimizer therefore steps the same
+dense averaged gradient as with a dense embedding: plain PyTorch's result for every
+optimizer (SGD also matches a sparse embedding in plain PyTorch; Adam cannot step sparse
+gradients there). Only the communication is sparse. Without ``sparse_gradients`` a
+sparse gradient is added into its dense slot and all-reduced like any other.
 """
 
 from __future__ import annotations
@@ -28,6 +39,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from terascale.comm.sparse import CommStats, SparseGather, accumulate_sparse, all_gather_sparse, coalesce_rows
+
 
 @dataclass(frozen=True)
 class ReducePolicy:
@@ -38,6 +51,8 @@ class ReducePolicy:
     comm_dtype: torch.dtype | None = None  # None: communicate in accum_dtype
     prescale: bool = False  # divide by the world size before the all-reduce
     predivide_factor: float = 1.0  # with prescale off: divide by this before, by world/this after
+    sparse_gradients: bool = False  # the config's sparse_gradients: reduce sparse_params as rows
+    sparse_params: frozenset[str] = frozenset()  # names of parameters with row-sparse gradients
 
 
 @dataclass
@@ -74,11 +89,17 @@ class GradientBuckets:
         self._world = dist.get_world_size(group)
         self._policy = policy
         self._sync = True
+        self.comm = CommStats()  # bytes this rank sends reducing gradients (for benchmarks)
+        # Sparse parameters are reduced as rows in finish(), outside every bucket.
+        self._sparse = [policy.sparse_gradients and n in policy.sparse_params for n in self._names]
+        self._sparse_acc: list[torch.Tensor | None] = [None] * len(self._params)
 
         # Assign parameters (last first) to buckets, then lay buckets out contiguously.
         layout: list[list[int]] = []
         numel = 0
         for i in reversed(range(len(self._params))):
+            if self._sparse[i]:
+                continue
             n = self._params[i].numel()
             if layout and numel + n <= policy.bucket_numel:
                 layout[-1].append(i)
@@ -105,6 +126,14 @@ class GradientBuckets:
                 self._bucket_of[i] = b
                 pos += n
             self._buckets.append(_Bucket(indices, flat, grad_numel, pending=len(indices)))
+        # Sparse parameters' dense gradients follow the buckets, each with its used-flag.
+        for i in (i for i, sparse in enumerate(self._sparse) if sparse):
+            n = self._params[i].numel()
+            self._grads[i] = self._buffer[offset : offset + n].view(self._params[i].shape)
+            self._flags[i] = self._buffer[offset + n : offset + n + 1]
+            self._bucket_of[i] = -1
+            offset += n + 1
+        assert offset == total
         self._next_launch = 0
         self._handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)
@@ -120,13 +149,17 @@ class GradientBuckets:
         """Reduce what is still unreduced, wait for every bucket and average the gradients.
 
         Called at the accumulation boundary. Buckets whose parameters did not all receive
-        gradients (unused parameters) are launched here, still in index order.
+        gradients (unused parameters) are launched here, still in index order; then the
+        sparse parameters' rows are gathered, in parameter order (the same on every rank).
         """
         for bucket in self._buckets:
             bucket.ready = True
         self._launch_ready()
+        gathers = [(i, self._launch_sparse(i)) for i, sparse in enumerate(self._sparse) if sparse]
         for bucket in self._buckets:
             self._complete(bucket)
+        for i, gather in gathers:
+            self._complete_sparse(i, gather)
 
     def grad(self, index: int) -> torch.Tensor | None:
         """Parameter ``index``'s averaged gradient, or None if no rank produced one."""
@@ -140,6 +173,7 @@ class GradientBuckets:
     def zero_(self) -> None:
         """Start a new accumulation window."""
         self._buffer.zero_()
+        self._sparse_acc = [None] * len(self._params)
         for bucket in self._buckets:
             bucket.pending = len(bucket.param_indices)
             bucket.launched = bucket.ready = False
@@ -166,11 +200,15 @@ class GradientBuckets:
     def _accumulate(self, index: int, param: torch.Tensor) -> None:
         grad = param.grad
         assert grad is not None
+        if self._sparse[index]:
+            # Kept as rows until finish(); a dense gradient here keeps its non-zero rows.
+            self._sparse_acc[index] = accumulate_sparse(self._sparse_acc[index], grad, self._policy.accum_dtype)
+            param.grad = None
+            return
         if grad.is_sparse:
-            raise ValueError(
-                f"parameter '{self._names[index]}' produced a sparse gradient; sparse gradients "
-                "are not supported by this version of terascale (use a dense embedding)"
-            )
+            # Not reduced as rows (sparse_gradients off, or an unexpected source): the
+            # rows are added into the dense slot and all-reduced with the bucket.
+            grad = grad.to(self._policy.accum_dtype)
         bucket = self._buckets[self._bucket_of[index]]
         if bucket.launched:
             raise RuntimeError(
@@ -209,6 +247,37 @@ class GradientBuckets:
         bucket.launched = True
         if self._world > 1:
             bucket.work = dist.all_reduce(tensor, group=self._group, async_op=True)
+            self.comm.all_reduce(tensor, self._world)
+
+    def _launch_sparse(self, index: int) -> SparseGather:
+        """Start gathering parameter ``index``'s accumulated rows from every rank, prescaled
+        like a bucket, in the communication dtype."""
+        policy = self._policy
+        rows, self._sparse_acc[index] = self._sparse_acc[index], None
+        if rows is not None and self._world > 1:
+            pre = 1.0 / self._world if policy.prescale else 1.0 / policy.predivide_factor
+            if pre != 1.0:
+                rows = rows * pre
+        shape = self._params[index].shape
+        return all_gather_sparse(
+            rows, shape[1:], self._group, dtype=policy.comm_dtype or policy.accum_dtype,
+            device=self._buffer.device, stats=self.comm,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def _complete_sparse(self, index: int, gather: SparseGather) -> None:
+        """Sum every rank's rows (in ``accum_dtype``), average them like a bucket and add
+        them into the parameter's dense slot (zero until now)."""
+        indices, values = gather.wait()
+        policy = self._policy
+        grad = self._grads[index]
+        indices, values = coalesce_rows(indices, values.to(policy.accum_dtype), grad.shape[0])
+        if self._world > 1 and not policy.prescale:
+            post = policy.predivide_factor / self._world
+            if post != 1.0:
+                values = values * post
+        grad.index_add_(0, indices, values)
+        self._flags[index].fill_(1.0 if gather.used else 0.0)
 
     def _complete(self, bucket: _Bucket) -> None:
         assert bucket.launched

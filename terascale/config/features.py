@@ -226,18 +226,6 @@ FEATURES: tuple[Feature, ...] = (
     Feature("MiCS sharding", False, _above("zero_optimization.mics_shard_size", 0)),
     Feature("ZenFlow", False, _present("zero_optimization.zenflow")),
     Feature(
-        "activation partitioning / CPU checkpointing / contiguous checkpoint memory",
-        False,
-        _flags(
-            "activation_checkpointing",
-            "partition_activations",
-            "cpu_checkpointing",
-            "contiguous_memory_optimization",
-            "synchronize_checkpoint_boundary",
-            "profile",
-        ),
-    ),
-    Feature(
         "fp16 master weights and gradients", False, _flags("fp16", "fp16_master_weights_and_grads")
     ),
     Feature(
@@ -267,7 +255,7 @@ FEATURES: tuple[Feature, ...] = (
         ),
     ),
     Feature("checkpoint writer engines", False, _present("checkpoint.writer")),
-    Feature("sparse gradients", False, _flags("", "sparse_gradients")),
+    Feature("sparse gradients", True, _flags("", "sparse_gradients")),
     Feature("engine state dump", False, _flags("", "dump_state")),
     Feature("summed (not averaged) gradient reduction", False, _sum_reduction),
     Feature("unmanaged gradient accumulation (reduction in step())", False, _unmanaged_accumulation),

@@ -91,7 +91,9 @@ class SchedulerConfig(Section):
 
 
 class ActivationCheckpointingConfig(Section):
-    """``activation_checkpointing``: options of DeepSpeed's activation checkpointing API."""
+    """``activation_checkpointing``: DeepSpeed's keys for its checkpointing API, and
+    ``policy`` / ``every_n`` / ``nvme_path`` (beyond DeepSpeed) for checkpointing a model's
+    blocks without model changes and spilling checkpoints to disk."""
 
     partition_activations: bool = False
     contiguous_memory_optimization: bool = False
@@ -99,6 +101,20 @@ class ActivationCheckpointingConfig(Section):
     number_checkpoints: int | None = Field(None, gt=0)
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
+    policy: Literal["none", "blocks", "every_n", "selective"] = "none"
+    every_n: int = Field(2, gt=0)
+    nvme_path: str | None = None
+
+    @model_validator(mode="after")
+    def _nvme_needs_offload(self) -> ActivationCheckpointingConfig:
+        if self.nvme_path is not None and not self.cpu_checkpointing:
+            raise ValueError(
+                "activation_checkpointing.nvme_path spills the checkpoints that cpu_checkpointing moves off the "
+                "device; set activation_checkpointing.cpu_checkpointing: true (or remove nvme_path)"
+            )
+        if self.nvme_path == "":
+            raise ValueError("activation_checkpointing.nvme_path is empty; name a directory on the NVMe disk")
+        return self
 
 
 class FlopsProfilerConfig(Section):

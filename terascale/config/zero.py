@@ -83,6 +83,9 @@ class ZeroConfig(Section):
     cpu_offload_use_pin_memory: bool | None = None
 
     prefetch_bucket_size: int = Field(50_000_000, ge=0, alias="stage3_prefetch_bucket_size")
+    # Beyond DeepSpeed: every nn.Linear with more weight elements than this becomes a
+    # TiledLinear of tiles at most this big ([Note: tiled linear layers]).
+    tile_linear_above: int | None = Field(None, gt=0)
     param_persistence_threshold: int = Field(
         100_000, ge=0, alias="stage3_param_persistence_threshold"
     )

@@ -20,6 +20,7 @@ from torch import nn
 
 from terascale.comm import DistributedContext, all_reduce_flag, broadcast_tensors
 from terascale.config import Config
+from terascale.engine.activations import EngineActivations
 from terascale.engine.checkpointing import Checkpointer
 from terascale.engine.clipping import clip_coefficient
 from terascale.engine.loss_scaler import build_loss_scaler
@@ -29,6 +30,7 @@ from terascale.engine.precision import PrecisionPolicy
 from terascale.offload.policy import unpinned_keys
 from terascale.optim import build_optimizer, build_scheduler
 from terascale.zero import WrapPolicy
+from terascale.zero.tiling import tile_linears, untiled_state_dict
 
 logger = logging.getLogger("terascale")
 
@@ -80,7 +82,17 @@ class Engine(nn.Module):
                 "an optimizer was passed to terascale.initialize and the config has an 'optimizer' "
                 "section; remove one of them"
             )
+        if config.zero_optimization.tile_linear_above is not None:
+            if isinstance(optimizer, torch.optim.Optimizer) or model_parameters is not None:
+                raise ValueError(
+                    "zero_optimization.tile_linear_above replaces big nn.Linear layers (and their parameters) "
+                    "inside terascale.initialize, so an optimizer or model_parameters built before it would "
+                    "hold the old ones: use the config's 'optimizer' section or pass optimizer as a callable"
+                )
+            tile_linears(self.module, int(config.zero_optimization.tile_linear_above))
         param_groups = _user_param_groups(module, optimizer, model_parameters)
+        # Blocks are found before ZeRO shards the parameters (a sharded block looks empty).
+        self.activations = EngineActivations(self.module, config, dist_ctx, wrap_policy or WrapPolicy())
         self._state: ModelState = build_model_state(
             self.module, param_groups, config, dist_ctx, self.precision, wrap_policy
         )
@@ -161,7 +173,8 @@ class Engine(nn.Module):
         """Run the wrapped module; tensor inputs are moved to the engine's device."""
         self.timers.start("forward")
         args, kwargs = _to_device((args, kwargs), self.device, self._input_cast_dtype())
-        out = self.module(*args, **kwargs)
+        with self.activations.forward_context():
+            out = self.module(*args, **kwargs)
         self.timers.stop("forward")
         return out
 
@@ -178,6 +191,7 @@ class Engine(nn.Module):
         self._window_loss += loss.detach().float() * (1 if scale_wrt_gas else self.gradient_accumulation_steps)
         self._state.prepare_backward(sync=self.is_gradient_accumulation_boundary())
         scale = self.loss_scaler.scale / (self.gradient_accumulation_steps if scale_wrt_gas else 1)
+        self.activations.before_backward()
         (loss.float() * scale).backward(retain_graph=retain_graph)
         self._state.post_backward()
         self._has_grads = True
@@ -192,6 +206,7 @@ class Engine(nn.Module):
             self.global_steps += 1
             self.global_samples += self.train_batch_size
             self._report()
+            self.activations.log_profile(self.global_steps)
         self.micro_steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -354,7 +369,7 @@ class Engine(nn.Module):
         of their names, as in ``module.state_dict()``. Collective at ZeRO stages 1-3: call
         it on every rank.
         """
-        return self._state.full_state_dict()
+        return untiled_state_dict(self.module, self._state.full_state_dict())
 
     def save_16bit_model(self, save_dir: str | Path, save_filename: str = "pytorch_model.bin") -> bool:
         """Write the model's weights in the compute dtype to ``save_dir/save_filename`` (rank 0).
@@ -399,7 +414,12 @@ class Engine(nn.Module):
         NVMe: host swap buffers, and bytes in this rank's swap files), ``master_params`` (fp32
         masters not shared with ``params``), ``optimizer_state`` (moments etc.),
         ``buffers`` (module buffers), and ``model_states``, the sum of params, grads,
-        masters and optimizer state - the quantity of the ZeRO memory formulas.
+        masters and optimizer state - the quantity of the ZeRO memory formulas. Activation
+        memory: ``activations`` (bytes autograd kept for backward after the last forward,
+        measured with ``memory_breakdown`` or ``activation_checkpointing.profile``, else 0),
+        ``checkpoint_inputs`` (checkpointed blocks' inputs held on the device at the
+        peak) and ``activation_host_buffers`` (host buffers of offloaded checkpoints);
+        :meth:`activation_report` has them by block.
         """
         out = {
             "params": 0,
@@ -411,6 +431,7 @@ class Engine(nn.Module):
             "nvme": 0,
         }
         out.update(self._state.memory())
+        out.update(self.activations.memory())
         out["optimizer_state"] = sum(
             t.numel() * t.element_size()
             for state in self.optimizer.state.values()
@@ -420,6 +441,12 @@ class Engine(nn.Module):
         out["buffers"] = sum(b.numel() * b.element_size() for b in self.module.buffers())
         out["model_states"] = out["params"] + out["grads"] + out["master_params"] + out["optimizer_state"]
         return out
+
+    def activation_report(self) -> list[dict[str, Any]]:
+        """Per block of the last forward/backward: bytes saved for backward (when
+        measured), checkpoint inputs, and with ``profile`` forward, recompute, offload and
+        fetch-wait times and the recompute's output bytes."""
+        return self.activations.report()
 
     def offload_io(self) -> dict[str, int]:
         """Bytes this rank has read from and written to its NVMe swap files so far
@@ -432,6 +459,7 @@ class Engine(nn.Module):
         is unusable afterwards)."""
         self._checkpointer.close()
         self._state.remove_hooks()
+        self.activations.close()
         for m in self._monitors:
             m.close()
         self._monitors = []

@@ -19,6 +19,7 @@ Stage 0 is :class:`ReplicatedState` (below); stages 1-3 are
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
@@ -38,6 +39,7 @@ from terascale.checkpoint.spans import (
     optimizer_slices,
 )
 from terascale.comm import DistributedContext, GradientBuckets, ReducePolicy
+from terascale.comm.sparse import CommStats, sparse_gradient_params
 from terascale.config import Config
 from terascale.engine.clipping import global_grad_norm
 from terascale.engine.precision import MasterWeights, PrecisionPolicy
@@ -121,6 +123,11 @@ class ReplicatedState:
 
     def optimizer_param_groups(self) -> list[dict]:
         return self._groups
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Bytes this rank has sent reducing gradients (dense and sparse)."""
+        return self._buckets.comm
 
     def prepare_backward(self, sync: bool) -> None:
         self._buckets.prepare_backward(sync)
@@ -242,8 +249,13 @@ def build_model_state(
     precision: PrecisionPolicy,
     wrap_policy: WrapPolicy | None = None,
 ) -> ModelState:
-    """The model state for ``config.zero_optimization.stage`` (see ``[Note: model state]``)."""
+    """The model state for ``config.zero_optimization.stage`` (see ``[Note: model state]``).
+
+    With ``sparse_gradients`` the weights of ``module``'s sparse embeddings are named in
+    the reduce policy (see ``[Note: sparse gradients]``), fixed here for every rank alike.
+    """
     zero = config.zero_optimization
+    sparse = sparse_gradient_params(module) if config.sparse_gradients else frozenset()
     if zero.stage == 0:
         return ReplicatedState(
             module,
@@ -256,13 +268,18 @@ def build_model_state(
                 comm_dtype=config.communication_dtype,
                 prescale=config.prescale_gradients,
                 predivide_factor=config.gradient_predivide_factor,
+                sparse_gradients=config.sparse_gradients,
+                sparse_params=sparse,
             ),
             dist_ctx.device,
         )
+    options = zero_options(config, wrap_policy)
+    if sparse:
+        options = dataclasses.replace(options, grads=dataclasses.replace(options.grads, sparse_params=sparse))
     return ShardedState(
         module,
         param_groups,
-        zero_options(config, wrap_policy),
+        options,
         dist_ctx.dp_group,
         dtype=precision.compute_dtype,
         device=dist_ctx.device,

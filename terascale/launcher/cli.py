@@ -110,6 +110,13 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
                    help="parameters of the largest layer (stage-3 working set; default params/10)")
     p.add_argument("--offload", nargs="+", choices=("none", "cpu", "nvme"), default=("none", "cpu", "nvme"),
                    help="offload choices to list (default: all)")
+    shape = p.add_argument_group("activations (a transformer's shape; all of them or none)")
+    shape.add_argument("--layers", type=int, help="transformer layers")
+    shape.add_argument("--hidden", type=int, help="hidden size")
+    shape.add_argument("--heads", type=int, help="attention heads")
+    shape.add_argument("--seq", type=int, help="sequence length")
+    shape.add_argument("--micro-batch", type=int, default=1, help="micro-batch per rank (default 1)")
+    shape.add_argument("--unfused-attention", action="store_true", help="attention scores are kept (no flash/SDPA)")
     p.set_defaults(handler=_estimate)
 
 
@@ -119,6 +126,17 @@ def _estimate(args: argparse.Namespace) -> int:
     largest = int(args.largest_layer) if args.largest_layer else None
     rows = estimate_memory(int(args.params), args.world, largest_layer_params=largest, offload=tuple(args.offload))
     print(format_estimates(rows, int(args.params), args.world))
+    shape = (args.layers, args.hidden, args.heads, args.seq)
+    if any(v is not None for v in shape):
+        if None in shape:
+            print("terascale estimate: activations need --layers, --hidden, --heads and --seq together", file=sys.stderr)
+            return 2
+        from terascale.activation.estimate import estimate_activations, format_activation_estimates
+
+        acts = estimate_activations(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
+                                    micro_batch=args.micro_batch, fused_attention=not args.unfused_attention)
+        print()
+        print(format_activation_estimates(acts, args.seq, args.micro_batch))
     return 0
 
 

@@ -19,12 +19,29 @@ added, and only the padding and slots without a gradient are zeroed before a red
 
 A parameter that gets no gradient on a rank contributes zeros; one unused on every
 rank gets a zero gradient (DeepSpeed's ZeRO semantics; stage 0 leaves it ``None``).
+
+[Note: sparse rows in a group]
+With ``sparse_gradients`` a group holding parameters named in ``GradPolicy.sparse_params``
+(sparse embeddings, see [Note: sparse gradients] in :mod:`terascale.comm.sparse`) is
+reduced in two parts, so that no rank ever builds those parameters' dense gradients:
+
+- its flat buffer holds only the dense parameters' slots, back to back (``_SparseLayout``);
+  at reduction each rank packs, for every rank r, the dense elements that fall in r's
+  shard into chunk r of a ``world x chunk`` buffer (``chunk``: the most dense elements
+  any shard has) and reduce-scatters that, so dense traffic is unchanged;
+- each sparse parameter's micro-step gradients accumulate as coalesced rows; they are
+  all-gathered right after the group's dense reduction is launched (same order on every
+  rank), and each rank adds only the rows, or parts of rows at its shard's edges, that
+  fall inside its own shard range.
+
+The rows are averaged like the dense part and added straight into the gradient shard
+(stages 2-3 accumulate into it across micro-steps; stage 1 builds it at the window's end).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -32,6 +49,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from terascale.comm.collectives import reduce_scatter_flat
+from terascale.comm.sparse import CommStats, SparseGather, accumulate_sparse, add_rows_to_range, all_gather_sparse
 from terascale.offload.grads import GradSwapper
 from terascale.zero.flat_group import FlatParamGroup
 
@@ -48,13 +66,57 @@ class GradPolicy:
     reduce_scatter: bool = True  # False: all-reduce the buffer and keep the own slice
     prescale: bool = False
     predivide_factor: float = 1.0
+    sparse_gradients: bool = False  # the config's sparse_gradients; off: a sparse gradient is an error
+    sparse_params: frozenset[str] = frozenset()  # names of parameters with row-sparse gradients
 
 
 @dataclass
 class _Pending:
     group: int
     work: dist.Work | None
-    comm: torch.Tensor  # the buffer being reduced (the flat buffer or its comm-dtype copy)
+    comm: torch.Tensor  # the buffer being reduced (the flat buffer, its comm-dtype copy, or the packed chunks)
+    rows: list[tuple[int, SparseGather]] = field(default_factory=list)  # sparse slots' gathers
+
+
+@dataclass(frozen=True)
+class _SparseLayout:
+    """A group with row-sparse slots (see [Note: sparse rows in a group]).
+
+    ``offsets[i]``: slot i's offset in the compact buffer of dense slots (-1: sparse).
+    ``runs[r]``: ``(compact_lo, compact_hi, shard_offset)`` of the dense elements inside
+    rank r's shard; ``chunk``: the most dense elements any rank's shard holds.
+    """
+
+    sparse: tuple[int, ...]
+    offsets: tuple[int, ...]
+    numel: int
+    runs: tuple[tuple[tuple[int, int, int], ...], ...]
+    chunk: int
+
+    @staticmethod
+    def build(fg: FlatParamGroup, sparse: Sequence[bool]) -> _SparseLayout:
+        layout = fg.layout
+        offsets, numel = [], 0
+        for slot, is_sparse in zip(layout.slots, sparse):
+            offsets.append(-1 if is_sparse else numel)
+            numel += 0 if is_sparse else slot.numel
+        runs = []
+        for r in range(layout.world_size):
+            lo, hi = layout.shard_range(r)
+            mine: list[tuple[int, int, int]] = []
+            for slot, off in zip(layout.slots, offsets):
+                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if off < 0 or a >= b:
+                    continue
+                run = (off + a - slot.offset, off + b - slot.offset, a - lo)
+                if mine and mine[-1][1] == run[0] and mine[-1][2] + mine[-1][1] - mine[-1][0] == run[2]:
+                    prev = mine.pop()  # contiguous in both buffers: one copy instead of two
+                    run = (prev[0], run[1], prev[2])
+                mine.append(run)
+            runs.append(tuple(mine))
+        chunk = max(sum(b - a for a, b, _ in mine) for mine in runs)
+        sparse_slots = tuple(i for i, is_sparse in enumerate(sparse) if is_sparse)
+        return _SparseLayout(sparse_slots, tuple(offsets), numel, tuple(runs), chunk)
 
 
 class ShardedGrads:
@@ -105,6 +167,14 @@ class ShardedGrads:
         self._sync = True
         self._window_end = True
         self._pending: list[_Pending] = []
+        self.comm = CommStats()  # bytes this rank sends reducing gradients (for benchmarks)
+        # Groups with row-sparse slots (see [Note: sparse rows in a group]); fixed by the
+        # names in the policy, so every rank reduces the same groups the same way.
+        self._sparse: list[_SparseLayout | None] = []
+        for fg, flags in zip(self.groups, trainable):
+            sparse = [t and policy.sparse_gradients and n in policy.sparse_params for n, t in zip(fg.names, flags)]
+            self._sparse.append(_SparseLayout.build(fg, sparse) if any(sparse) else None)
+        self._rows: list[dict[int, torch.Tensor]] = [{} for _ in self.groups]  # slot -> accumulated rows
         self._handles = []
         for g, (fg, flags) in enumerate(zip(self.groups, trainable)):
             for i, (p, t) in enumerate(zip(fg.params, flags)):
@@ -123,15 +193,19 @@ class ShardedGrads:
 
     def _hook(self, g: int, i: int) -> Callable[[nn.Parameter], None]:
         slot = self.groups[g].layout.slots[i]
+        sparse = self._sparse[g]
+        as_rows = sparse is not None and i in sparse.sparse  # a sparse embedding's weight
+        offset = slot.offset if sparse is None else sparse.offsets[i]
 
         @torch.no_grad()
         def hook(p: nn.Parameter) -> None:
             if p.grad is None:
                 return
-            if p.grad.is_sparse:
+            if p.grad.is_sparse and not self.policy.sparse_gradients:
                 raise ValueError(
-                    f"parameter '{self.groups[g].names[i]}' produced a sparse gradient; sparse "
-                    "gradients are not supported with ZeRO stages 1-3 (use a dense embedding)"
+                    f"parameter '{self.groups[g].names[i]}' produced a sparse gradient; ZeRO stages 1-3 "
+                    'reduce sparse gradients only with "sparse_gradients": true in the config (or use a '
+                    "dense embedding)"
                 )
             if self._count[g] >= self._expected[g]:
                 raise RuntimeError(
@@ -140,12 +214,21 @@ class ShardedGrads:
                     "micro-step); use torch.utils.checkpoint(..., use_reentrant=False) or sum the "
                     "losses before engine.backward"
                 )
-            dst = self._buffer(g)[slot.offset : slot.offset + slot.numel]
-            if self._written[g][i]:
-                dst.add_(p.grad.reshape(-1))
-            else:  # the buffer is not zeroed in advance (see _fill_unwritten)
-                dst.copy_(p.grad.reshape(-1))
-                self._written[g][i] = True
+            if as_rows:  # kept as coalesced rows until the group's reduction
+                self._rows[g][i] = accumulate_sparse(self._rows[g].get(i), p.grad, self.policy.dtype)
+            elif p.grad.is_sparse:  # not a known sparse embedding: its rows go into the dense slot
+                dst = self._buffer(g)[offset : offset + slot.numel]
+                if not self._written[g][i]:
+                    dst.zero_()
+                    self._written[g][i] = True
+                dst.view(slot.shape).add_(p.grad.to(dst.dtype))
+            else:
+                dst = self._buffer(g)[offset : offset + slot.numel]
+                if self._written[g][i]:
+                    dst.add_(p.grad.reshape(-1))
+                else:  # the buffer is not zeroed in advance (see _fill_unwritten)
+                    dst.copy_(p.grad.reshape(-1))
+                    self._written[g][i] = True
             p.grad = None
             self._count[g] += 1
             if self._count[g] == self._expected[g]:
@@ -159,7 +242,8 @@ class ShardedGrads:
 
     def _buffer(self, g: int) -> torch.Tensor:
         if self._flat[g] is None:
-            numel = self.groups[g].layout.padded_numel
+            sparse = self._sparse[g]
+            numel = self.groups[g].layout.padded_numel if sparse is None else sparse.numel
             spare = next((i for i, t in enumerate(self._spare) if t.numel() == numel), None)
             if spare is None:
                 self._flat[g] = torch.empty(numel, dtype=self.policy.dtype, device=self.groups[g].device)
@@ -173,11 +257,13 @@ class ShardedGrads:
         """Zero what no gradient was written to since the buffer was (re)started: the
         padding and the slots of parameters without a gradient. Buffers are never zeroed
         whole: the first gradient of each slot is copied in, later ones added."""
-        flat, layout = self._buffer(g), self.groups[g].layout
-        flat[layout.numel :].zero_()
+        flat, layout, sparse = self._buffer(g), self.groups[g].layout, self._sparse[g]
+        if sparse is None:
+            flat[layout.numel :].zero_()
         for i, (slot, written) in enumerate(zip(layout.slots, self._written[g])):
-            if not written:
-                flat[slot.offset : slot.offset + slot.numel].zero_()
+            offset = slot.offset if sparse is None else sparse.offsets[i]
+            if not written and offset >= 0:  # sparse slots (offset -1) have no place here
+                flat[offset : offset + slot.numel].zero_()
                 self._written[g][i] = True
 
     def _launch_ready(self) -> None:
@@ -189,27 +275,108 @@ class ShardedGrads:
         self._fill_unwritten(g)
         flat = self._buffer(g)
         pol = self.policy
-        comm = flat if pol.comm_dtype in (None, flat.dtype) else flat.to(pol.comm_dtype)
+        sparse = self._sparse[g]
+        if sparse is None:
+            comm = flat if pol.comm_dtype in (None, flat.dtype) else flat.to(pol.comm_dtype)
+            lo, hi = self.groups[g].layout.shard_range(self.rank)
+        else:
+            comm = self._pack(g, flat)
+            lo, hi = self.rank * sparse.chunk, (self.rank + 1) * sparse.chunk
         pre = 1.0 / self.world if pol.prescale else 1.0 / pol.predivide_factor
         if pre != 1.0:
             comm.mul_(pre)
-        lo, hi = self.groups[g].layout.shard_range(self.rank)
-        if self.world == 1:
+        if self.world == 1 or comm.numel() == 0:
             work = None
         elif pol.reduce_scatter:
             work = reduce_scatter_flat(comm[lo:hi], comm, self.pg, async_op=True)
+            self.comm.reduce_scatter(comm, self.world)
         else:
             work = dist.all_reduce(comm, group=self.pg, async_op=True)
-        self._pending.append(_Pending(g, work, comm))
+            self.comm.all_reduce(comm, self.world)
+        rows = [] if sparse is None else [(i, self._gather_rows(g, i, pre)) for i in sparse.sparse]
+        self._pending.append(_Pending(g, work, comm, rows))
         in_flight = sum(item.comm.numel() for item in self._pending)
         while self._pending and (not pol.overlap or (in_flight > pol.bucket_numel and len(self._pending) > 1)):
             in_flight -= self._pending[0].comm.numel()
             self._complete(self._pending.pop(0))
 
+    def _pack(self, g: int, flat: torch.Tensor) -> torch.Tensor:
+        """The dense slots of sparse group ``g`` as ``world`` chunks: chunk r holds, in
+        order, the elements of rank r's shard (zero-padded to ``chunk``)."""
+        sparse = self._sparse[g]
+        assert sparse is not None
+        chunk = sparse.chunk
+        comm = torch.empty(self.world * chunk, dtype=self.policy.comm_dtype or flat.dtype, device=flat.device)
+        for r, runs in enumerate(sparse.runs):
+            pos = r * chunk
+            for lo, hi, _ in runs:
+                comm[pos : pos + hi - lo].copy_(flat[lo:hi])
+                pos += hi - lo
+            comm[pos : (r + 1) * chunk].zero_()
+        return comm
+
+    def _gather_rows(self, g: int, i: int, pre: float) -> SparseGather:
+        """Start all-gathering slot ``i``'s accumulated rows (scaled by ``pre``) of group ``g``."""
+        rows = self._rows[g].pop(i, None)
+        if rows is not None and pre != 1.0:
+            rows = rows * pre
+        fg = self.groups[g]
+        return all_gather_sparse(
+            rows, fg.layout.slots[i].shape[1:], self.pg, dtype=self.policy.comm_dtype or self.policy.dtype,
+            device=fg.device, stats=self.comm,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def _complete_sparse(self, item: _Pending) -> None:
+        """Finish sparse group ``item.group``: this rank's dense chunk and the gathered rows
+        inside its shard range, averaged, go into its gradient shard (added to it at stages
+        2-3 after the first micro-step; built fresh otherwise)."""
+        g, pol = item.group, self.policy
+        sparse = self._sparse[g]
+        assert sparse is not None
+        layout = self.groups[g].layout
+        lo, hi = layout.shard_range(self.rank)
+        post = 1.0 if pol.prescale else pol.predivide_factor / self.world
+        accumulate = pol.reduce_every_micro_step and self.swapper is None and self.shards[g] is not None
+        if accumulate:
+            out = self.shards[g]
+        else:
+            if self.swapper is not None:
+                out = torch.zeros(hi - lo, dtype=pol.dtype, device=self.groups[g].device)
+            else:  # the shard's storage is kept across windows (model state: 2Ψ/N bytes)
+                if self._shard_store[g] is None:
+                    self._shard_store[g] = torch.empty(hi - lo, dtype=pol.dtype, device=self.groups[g].device)
+                out = self._shard_store[g].zero_()
+        own = item.comm[self.rank * sparse.chunk : (self.rank + 1) * sparse.chunk]
+        if post != 1.0:
+            own.mul_(post)
+        pos = 0
+        for c_lo, c_hi, s_off in sparse.runs[self.rank]:
+            out[s_off : s_off + c_hi - c_lo].add_(own[pos : pos + c_hi - c_lo])
+            pos += c_hi - c_lo
+        for i, gather in item.rows:
+            indices, values = gather.wait()
+            slot = layout.slots[i]
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if a < b:
+                values = values.to(pol.dtype)
+                if post != 1.0:
+                    values = values * post
+                add_rows_to_range(out[a - lo : b - lo], a - slot.offset, indices, values)
+        if self.swapper is not None:  # [Note: gradient swapping]
+            self.swapper.store(g, out, last_micro_step=self._window_end)
+        else:
+            self.shards[g] = out
+        if pol.reduce_every_micro_step:
+            self._retire(g)
+
     @torch.no_grad()
     def _complete(self, item: _Pending) -> None:
         if item.work is not None:
             item.work.wait()
+        if self._sparse[item.group] is not None:
+            self._complete_sparse(item)
+            return
         g = item.group
         lo, hi = self.groups[g].layout.shard_range(self.rank)
         reduced = item.comm[lo:hi]
@@ -267,6 +434,7 @@ class ShardedGrads:
             if self.policy.reduce_every_micro_step:
                 self._retire(g)
             self._written[g] = [False] * len(self._written[g])  # stage 1: overwrite next window
+            self._rows[g] = {}
             self.shards[g] = None
         if self.swapper is not None:
             self.swapper.zero_()

@@ -23,6 +23,13 @@ the iteration, and that iteration's sequence becomes the trace. Uses under
 ``torch.no_grad`` (evaluation) neither record nor prefetch, and free every group after
 its forward.
 
+Activation checkpointing recomputes a block's forward inside backward: the block's
+pre-hook then finds its group already gathered by the pre-backward hook (no second
+all-gather), the post-hook keeps it for the backward that follows instead of freeing
+it, and the trace records the recompute where backward ran it, so prefetching follows
+the recompute order whatever it is. Reentrant checkpoints (forward under ``no_grad``)
+are not recorded in forward; their recompute is, in backward.
+
 Every rank must run the same modules in the same order (as with any ZeRO-3): the
 all-gathers are collectives.
 """
@@ -109,7 +116,9 @@ class ParamSchedule:
                 tensors = _grad_tensors(output)
                 if tensors:
                     torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self._use(g), mode="any")
-            keep = training and (g in self._root or self._reused_soon(g))
+            # A forward inside backward is an activation-checkpoint recompute: the backward
+            # that follows needs the group, and frees it when its gradients are done.
+            keep = self._in_backward() or (training and (g in self._root or self._reused_soon(g)))
             if not keep and self.groups[g].state is ShardState.UNSHARDED:
                 self.groups[g].reshard()
 

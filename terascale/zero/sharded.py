@@ -86,6 +86,7 @@ def zero_options(config: Config, wrap: WrapPolicy | None = None) -> ZeroOptions:
             reduce_scatter=zero.reduce_scatter,
             prescale=config.prescale_gradients,
             predivide_factor=config.gradient_predivide_factor,
+            sparse_gradients=config.sparse_gradients,
         ),
         wrap=wrap or WrapPolicy(),
         schedule=SchedulePolicy(

@@ -4,7 +4,9 @@
 A group is the parameters one wrapped module owns. A module is wrapped when the policy
 picks it (its class is listed, or, by default, it is one of the repeated elements of a
 ``ModuleList``/``Sequential`` - the transformer blocks - and holds at least
-``min_params`` elements); the root module is always wrapped and takes the leftovers.
+``min_params`` elements); every tile of a :class:`~terascale.zero.TiledLinear` is a
+group of its own ([Note: tiled linear layers]); the root module is always wrapped and
+takes the leftovers.
 A parameter belongs to the innermost wrapped module that contains every place it is
 registered, so a weight tied between the embedding and the output head lands in their
 common ancestor and is gathered for the whole forward that uses it. At stage 3,
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from terascale.zero.gather import full_numel
+from terascale.zero.tiling import TiledLinear
 
 
 @dataclass(frozen=True)
@@ -65,9 +68,12 @@ class GroupPlan:
 
 
 def _repeated_block_classes(root: nn.Module) -> tuple[type[nn.Module], ...]:
+    # A TiledLinear's grid of tiles repeats nn.Linear by construction; it says nothing
+    # about the model's blocks (its tiles are groups anyway).
+    grids = {id(c) for m in root.modules() if isinstance(m, TiledLinear) for c in m.tiles.modules()}
     found: list[type[nn.Module]] = []
     for m in root.modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)):
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and id(m) not in grids:
             counts = Counter(type(c) for c in m.children())
             found += [cls for cls, n in counts.items() if n >= 2 and cls not in found]
     return tuple(found)
@@ -78,8 +84,9 @@ def wrapped_modules(root: nn.Module, policy: WrapPolicy) -> dict[str, nn.Module]
     classes = policy.module_classes if policy.module_classes is not None else _repeated_block_classes(root)
     out: dict[str, nn.Module] = {"": root}
     seen = {id(root)}
+    tiles = {id(t) for m in root.modules() if isinstance(m, TiledLinear) for row in m.tiles for t in row}
     for name, m in root.named_modules():
-        if id(m) in seen or not isinstance(m, classes):
+        if id(m) in seen or not (isinstance(m, classes) or id(m) in tiles):
             continue
         if sum(full_numel(p) for p in m.parameters()) < max(policy.min_params, 1):
             continue
