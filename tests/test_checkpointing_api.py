@@ -246,3 +246,20 @@ def test_contiguous_checkpoints_share_one_buffer_sized_by_number_checkpoints() -
         h.sum().backward()
     assert buffers[0].numel() == 4 * 16 * 8 * 4
     assert all(b is buffers[0] for b in buffers), "the buffer is allocated once and reused every step"
+
+
+def test_estimate_activations_by_policy(capsys) -> None:
+    from terascale.activation.estimate import estimate_activations
+    from terascale.launcher.cli import main
+
+    rows = {e.policy: e for e in estimate_activations(layers=32, hidden=4096, heads=32, seq=4096, micro_batch=1)}
+    sbh = 4096 * 4096
+    assert rows["none"].device == 32 * 34 * sbh  # Korthikanti et al., fused attention
+    assert rows["blocks"].device == 32 * 2 * sbh + 34 * sbh  # inputs + one layer recomputed
+    assert rows["blocks + cpu"].device < rows["blocks"].device and rows["blocks + cpu"].host == 32 * 2 * sbh
+    assert rows["none"].device > rows["selective"].device > rows["blocks"].device
+    assert main(["estimate", "--params", "7e9", "--layers", "32", "--hidden", "4096", "--heads", "32",
+                 "--seq", "4096", "--offload", "none"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "activations per rank, sequence 4096" in out and "blocks + cpu" in out
+    assert main(["estimate", "--params", "7e9", "--layers", "32"]) == 2
