@@ -263,3 +263,49 @@ def test_estimate_activations_by_policy(capsys) -> None:
     out = capsys.readouterr().out
     assert "activations per rank, sequence 4096" in out and "blocks + cpu" in out
     assert main(["estimate", "--params", "7e9", "--layers", "32"]) == 2
+
+
+class _Mpu:
+    """Two tensor-parallel ranks holding the same replicated model; each its own data-parallel group."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+        self.dp = groups[dist.get_rank()]
+
+    def get_data_parallel_group(self):
+        return self.dp
+
+    def get_model_parallel_group(self):
+        import torch.distributed as dist
+
+        return dist.group.WORLD
+
+    def get_model_parallel_world_size(self) -> int:
+        return 2
+
+
+def _engine_partition_rank() -> int:
+    import torch.distributed as dist
+
+    from act_model import reference
+
+    dist.init_process_group("gloo")
+    ref_losses, ref_weights = reference(1, 0, 2)  # both ranks see rank 0's data, as tensor-parallel ranks do
+    cfg = config(1, 2, 3, {"policy": "blocks", "partition_activations": True, "cpu_checkpointing": True})
+    engine, *_ = terascale.initialize(model=make_net(), config=cfg, mpu=_Mpu())
+    losses = train(engine, 1, 0, 2)
+    kept = engine.activations.checkpointing.store.stats["blocks.0"].bytes
+    weights = engine.full_state_dict()
+    engine.destroy()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    for name, value in ref_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
+    return kept
+
+
+def test_engine_partitions_checkpoints_over_the_mpu_model_parallel_group() -> None:
+    kept = run_ranks(_engine_partition_rank, 2)
+    block_input = 2 * 6 * 16 * 4
+    assert kept == [6 * block_input // 2] * 2  # 6 micro-steps, each keeping half a block input per rank
