@@ -228,9 +228,13 @@ class InputStore:
         self.resident_peak = 0  # most input bytes held on the device at once since reset_stats
         self._dir: SwapDirectory | None = None
         self._aio: AsyncIO | None = None
+        self._cleanup = None
         if options.tier == "nvme":
             self._dir = SwapDirectory(options.nvme_path, "activations", rank)
             self._aio = AsyncIO(options.aio)
+            # Swap files go with the store, or at interpreter exit for a store nobody closed
+            # (the module-level API's).
+            self._cleanup = weakref.finalize(self, _close_tier, self._aio, self._dir)
 
     @property
     def offloads(self) -> bool:
@@ -436,9 +440,11 @@ class InputStore:
         return {"host_pool": self._pool.nbytes(), "arena": 0 if self._arena is None else self._arena.nbytes()}
 
     def close(self) -> None:
-        if self._aio is not None:
-            self._aio.close()
-            self._aio = None
-        if self._dir is not None:
-            self._dir.remove()
-            self._dir = None
+        if self._cleanup is not None:
+            self._cleanup()
+        self._aio, self._dir = None, None
+
+
+def _close_tier(aio: AsyncIO, directory: SwapDirectory) -> None:
+    aio.close()
+    directory.remove()
