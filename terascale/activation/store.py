@@ -256,10 +256,10 @@ class InputStore:
     def pack(self, x: torch.Tensor) -> object:
         if isinstance(x, nn.Parameter) or x.numel() == 0:
             return x  # parameters live with ZeRO; nothing to keep for empty tensors
-        start = time.perf_counter()
         if not self.offloads and self.group is None and self._arena is None:
             self._account(self._label, x.numel() * x.element_size(), 0.0)
             return x  # kept as it is: autograd holds it, as without the store
+        start = time.perf_counter()
         if self._alive == 0 and self._arena is not None:
             self._arena.restart(x.numel() * x.element_size(), self.options.number_checkpoints)
         self._reap_writes()
