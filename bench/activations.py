@@ -201,6 +201,8 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         Path(args.result).write_text(json.dumps({"times": times, "losses": losses, "kept": kept, "peak": peak,
                                                  "checkpoint_inputs": resident, "device": device.type}))  # fmt: skip
+    if ours is not None:
+        ours.destroy()  # removes the 'cpu' system's swap files
     dist.barrier()
     dist.destroy_process_group()
 
