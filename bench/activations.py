@@ -260,8 +260,11 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
         per_token = (kept[s] + (block_set if s != "none" else 0)) / tokens
         longest = int(budget / per_token) if per_token else 0
         diff = max(abs(a - b) for r in rs for a, b in zip(r["losses"], base[0]["losses"])) if base else float("nan")
-        print(f"| {s} | {med[s] * 1e3:.0f} | {med[s] / med['none']:.3f} | "
-              f"{med[s] / plain:.3f} | {kept[s] / 2**20:.1f} | {kept[s] / kept['none']:.3f} | {longest} | "
+        def ratio(a: float, b: float | None) -> str:
+            return f"{a / b:.3f}" if b else "n/a"
+
+        print(f"| {s} | {med[s] * 1e3:.0f} | {ratio(med[s], med.get('none'))} | {ratio(med[s], plain)} | "
+              f"{kept[s] / 2**20:.1f} | {ratio(kept[s], kept.get('none'))} | {longest} | "
               f"{peak[s] / 2**20:.0f} | {diff:.2e} |")  # fmt: skip
     if "none" in kept and "blocks" in kept:
         # [Note: activation formulas]'s target for blocks: 1/L of the baseline plus one block's
