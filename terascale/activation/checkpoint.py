@@ -71,6 +71,11 @@ class BlockTimes:
     recompute_bytes: int = 0  # bytes the recompute produced: what the block would keep unchecked
 
 
+def _nbytes(out: Any) -> int:
+    """Bytes of the tensors in an operation's output (a tensor, or a tuple/list of them)."""
+    return sum(t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+
+
 class _OutputBytes(TorchDispatchMode):
     """Sums the bytes of every tensor an operation returns (the recompute's working set)."""
 
@@ -80,7 +85,7 @@ class _OutputBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        self.nbytes += sum(t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        self.nbytes += _nbytes(out)
         return out
 
 
@@ -95,9 +100,7 @@ class _SavedOutputs(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func in SAVED_BY_SELECTIVE or getattr(func, "overloadpacket", None) in SAVED_BY_SELECTIVE:
-            self.stats.selective_bytes += sum(
-                t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor)
-            )
+            self.stats.selective_bytes += _nbytes(out)
         return out
 
 

@@ -20,7 +20,7 @@ from terascale.activation import CheckpointedBlocks, build_checkpointing, select
 from terascale.activation.measure import SavedBytes
 from terascale.comm import DistributedContext
 from terascale.config import Config
-from terascale.zero.tiling import TiledLinear
+from terascale.zero.tiling import tiles_of
 from terascale.zero.wrap import WrapPolicy, wrapped_modules
 
 logger = logging.getLogger("terascale")
@@ -37,7 +37,7 @@ class EngineActivations:
             partition_group=dist_ctx.mp_group, rank=dist_ctx.rank,
         )  # fmt: skip
         # Tiles of a TiledLinear are groups, not blocks: checkpointing one would keep its input anyway.
-        tiles = {id(t) for m in module.modules() if isinstance(m, TiledLinear) for row in m.tiles for t in row}
+        tiles = {id(t) for t in tiles_of(module)}
         blocks = {name: m for name, m in wrapped_modules(module, wrap).items() if name and id(m) not in tiles}
         chosen = select_blocks(blocks, section.policy, section.every_n)
         if section.policy != "none" and not chosen:
@@ -50,7 +50,7 @@ class EngineActivations:
         self.measure = config.memory_breakdown or section.profile
         self.meter = SavedBytes(module, blocks) if self.measure else None
         self.profile = section.profile
-        self._adopted = checkpointing_api.adopt(self.checkpointing)
+        checkpointing_api.adopt(self.checkpointing)
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         """Around the engine's forward: measures what it saves when asked to."""

@@ -343,10 +343,8 @@ class ShardedGrads:
         else:
             if self.swapper is not None:
                 out = torch.zeros(hi - lo, dtype=pol.dtype, device=self.groups[g].device)
-            else:  # the shard's storage is kept across windows (model state: 2Ψ/N bytes)
-                if self._shard_store[g] is None:
-                    self._shard_store[g] = torch.empty(hi - lo, dtype=pol.dtype, device=self.groups[g].device)
-                out = self._shard_store[g].zero_()
+            else:
+                out = self._shard_storage(g).zero_()
         own = item.comm[self.rank * sparse.chunk : (self.rank + 1) * sparse.chunk]
         if post != 1.0:
             own.mul_(post)
@@ -396,14 +394,18 @@ class ShardedGrads:
             self.shards[g] = flat[lo:hi]
             return
         if self.shards[g] is None:
-            # The shard's storage is kept across windows (it is model state: 2Ψ/N bytes).
-            if self._shard_store[g] is None:
-                self._shard_store[g] = torch.empty(hi - lo, dtype=pol.dtype, device=reduced.device)
-            self.shards[g] = self._shard_store[g]
+            self.shards[g] = self._shard_storage(g)
             self.shards[g].copy_(reduced)
         else:
             self.shards[g].add_(reduced)
         self._retire(g)
+
+    def _shard_storage(self, g: int) -> torch.Tensor:
+        """Group ``g``'s gradient-shard storage, kept across windows (it is model state: 2Ψ/N bytes)."""
+        if self._shard_store[g] is None:
+            lo, hi = self.groups[g].layout.shard_range(self.rank)
+            self._shard_store[g] = torch.empty(hi - lo, dtype=self.policy.dtype, device=self.groups[g].device)
+        return self._shard_store[g]
 
     def _retire(self, g: int) -> None:
         # Stages 2-3: keep the reduced full buffer for the next group of the same size

@@ -198,6 +198,11 @@ def _split_tiles(module: TiledLinear, state: dict, prefix: str, *args: Any) -> N
             state[f"{prefix}tiles.{i}.{module.in_splits - 1}.bias"] = part
 
 
+def tiles_of(model: nn.Module) -> list[nn.Module]:
+    """Every tile of every :class:`TiledLinear` in ``model`` (each is a ZeRO group of its own)."""
+    return [t for m in model.modules() if isinstance(m, TiledLinear) for row in m.tiles for t in row]
+
+
 def tile_linears(model: nn.Module, above: int, tile_numel: int | None = None) -> list[str]:
     """Replace every ``nn.Linear`` of ``model`` with more than ``above`` weight elements by a
     :class:`TiledLinear` holding its values, in place; returns the replaced names.

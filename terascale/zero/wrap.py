@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from terascale.zero.gather import full_numel
-from terascale.zero.tiling import TiledLinear
+from terascale.zero.tiling import TiledLinear, tiles_of
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def wrapped_modules(root: nn.Module, policy: WrapPolicy) -> dict[str, nn.Module]
     classes = policy.module_classes if policy.module_classes is not None else _repeated_block_classes(root)
     out: dict[str, nn.Module] = {"": root}
     seen = {id(root)}
-    tiles = {id(t) for m in root.modules() if isinstance(m, TiledLinear) for row in m.tiles for t in row}
+    tiles = {id(t) for t in tiles_of(root)}
     for name, m in root.named_modules():
         if id(m) in seen or not (isinstance(m, classes) or id(m) in tiles):
             continue
