@@ -570,7 +570,6 @@ def test_require_built_lists_everything_at_once() -> None:
             "flops_profiler": {"enabled": True},
             "elasticity": {"enabled": True, "max_train_batch_size": 64},
             "compression_training": {"sparse_pruning": {"shared_parameters": {"enabled": True}}},
-            "pipeline": {"stages": 2},
             "sparse_gradients": True,
             "checkpoint": {"async": True, "use_node_local_storage": True},
         }
@@ -580,7 +579,6 @@ def test_require_built_lists_everything_at_once() -> None:
         "zero_optimization.zero_quantized_gradients=true",
         "flops_profiler.enabled=true",
         "checkpoint.use_node_local_storage=true",
-        "pipeline.stages=2",
         "elasticity.enabled=true",
         "compression_training.sparse_pruning.shared_parameters.enabled=true",
     ]

@@ -88,8 +88,12 @@ def _check(world: int, cases: list[tuple[str, dict, str]]) -> None:
         for rank_results in results:
             losses, state, coeffs = rank_results[i]
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=name)
+            # RMSprop divides by the root of a running mean of squared gradients, which
+            # magnifies the gradients' last-bit differences (summation order of the reduce,
+            # AVX2 vs AVX-512 kernels) early on: up to 1e-5 on weights of size 0.3 seen here.
+            atol = 2e-5 if kind == "rmsprop" else 2e-6
             for k, v in ref_state.items():
-                torch.testing.assert_close(state[k], v, rtol=1e-5, atol=2e-6, msg=f"{name}: {k}")
+                torch.testing.assert_close(state[k], v, rtol=1e-5, atol=atol, msg=f"{name}: {k}")
             # Every rank knows every parameter's ratio, as on one process.
             torch.testing.assert_close(torch.tensor(coeffs), torch.tensor(ref_coeffs), rtol=1e-5, atol=0, msg=name)
 

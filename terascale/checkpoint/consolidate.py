@@ -54,7 +54,8 @@ def _tensors(
     reader: CheckpointReader, dtype: torch.dtype | None, *, with_aliases: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
     for out_name, key, name, info in _entries(reader.manifest, with_aliases=with_aliases):
-        t = reader.read(key, name, info.numel, _stored_dtype(key, info)).view(info.shape)
+        t = reader.read(key, name, info.numel, _stored_dtype(key, info))
+        t = t.view(info.shape) if info.order is None else info.order.to_full(t, info.shape)
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         yield out_name, t

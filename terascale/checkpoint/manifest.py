@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
+from terascale.checkpoint.order import SliceOrder
 from terascale.checkpoint.spans import ParamInfo, Span
 
 FORMAT = "terascale-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: parameters may record a slice order
 MANIFEST = "manifest.json"
 
 
@@ -73,11 +74,15 @@ class Manifest:
 
     def to_json(self) -> str:
         def info(p: ParamInfo) -> dict:
-            return {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "opt_group": p.opt_group}
+            d = {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "opt_group": p.opt_group}
+            if p.order is not None:
+                d["order"] = p.order.to_json()
+            return d
 
         doc = {
             "format": FORMAT,
-            "version": VERSION,
+            # A reader that does not know part-after-part orders must not read them as row-major.
+            "version": 1 if all(p.order is None for p in self.params.values()) else VERSION,
             "tag": self.tag,
             "world_size": self.world_size,
             "stage": self.stage,
@@ -117,7 +122,7 @@ class Manifest:
             )
 
         def info(d: dict) -> ParamInfo:
-            return ParamInfo(tuple(d["shape"]), parse_dtype(d["dtype"]), int(d["opt_group"]))
+            return ParamInfo(tuple(d["shape"]), parse_dtype(d["dtype"]), int(d["opt_group"]), SliceOrder.from_json(d.get("order")))
 
         return Manifest(
             tag=doc["tag"],

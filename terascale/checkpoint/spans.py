@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from terascale.checkpoint.order import SliceOrder
+
 MASTER = "master"
 PARAM = "param"
 BUFFER = "buffer"
@@ -129,11 +131,14 @@ def create_optimizer_state(
 @dataclass(frozen=True)
 class ParamInfo:
     """A parameter as a checkpoint records it: full shape, the dtype the model computes
-    in, and its optimizer param group (-1: frozen, stored as a ``param`` span)."""
+    in, its optimizer param group (-1: frozen, stored as a ``param`` span) and, for a
+    tensor-parallel slice saved part after part, that order ([Note: sliced tensors in
+    checkpoints]; None: row-major)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     opt_group: int
+    order: SliceOrder | None = None
 
     @property
     def numel(self) -> int:

@@ -183,6 +183,13 @@ def global_grad_norm(
     otherwise each rank holds a disjoint piece and the squared norms are summed over
     ``group``. Non-finite gradients give a non-finite norm, which is how overflow shows.
     """
+    return global_grad_sq_norm(grads, group, device).sqrt()
+
+
+def global_grad_sq_norm(
+    grads: Sequence[torch.Tensor], group: ProcessGroup | None = None, device: torch.device | None = None
+) -> torch.Tensor:
+    """The squared L2 norm of all ``grads`` taken together (see :func:`global_grad_norm`)."""
     if grads:
         fp32 = [g for g in grads if g.dtype == torch.float32]
         norms = [*_chunk_norms(fp32), *(l2_norm(g) for g in grads if g.dtype != torch.float32)]
@@ -191,7 +198,7 @@ def global_grad_norm(
         total_sq = torch.zeros((), dtype=torch.float32, device=device)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(total_sq, group=group)
-    return total_sq.sqrt()
+    return total_sq
 
 
 # [Note: chunked norms]

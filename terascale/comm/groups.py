@@ -9,6 +9,7 @@ convention, which DeepSpeed also accepts) that owns the data-parallel group.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import functools
 import os
@@ -54,8 +55,15 @@ class DistributedContext:
     dp_group: ProcessGroup
     dp_rank: int
     dp_world_size: int
-    mp_group: ProcessGroup | None = None
+    mp_group: ProcessGroup | None = None  # Megatron's "model parallel": the tensor-parallel group
     mp_world_size: int = 1
+    tp_rank: int = 0
+    pp_group: ProcessGroup | None = None
+    pp_rank: int = 0
+    pp_world_size: int = 1
+    # The ranks with this rank's data-parallel coordinate (one replica of the model, every
+    # tensor- and pipeline-parallel part of it); None without model parallelism.
+    replica_group: ProcessGroup | None = None
 
 
 def _default_backend(device_type: str) -> str:
@@ -108,16 +116,26 @@ def init_distributed(
     backend = str(dist.get_backend())
     _release_the_gil_at_exit()
 
-    if mpu is not None:
-        dp_group = mpu.get_data_parallel_group()
-        mp_group = mpu.get_model_parallel_group()
-        mp_world_size = mpu.get_model_parallel_world_size()
-    else:
-        dp_group = dist.group.WORLD
-        mp_group = None
-        mp_world_size = 1
-    assert dp_group is not None
-    return DistributedContext(
+    if mpu is None:
+        group = dist.group.WORLD
+        assert group is not None
+        return DistributedContext(
+            device=device,
+            backend=backend,
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            local_rank=local_rank,
+            dp_group=group,
+            dp_rank=dist.get_rank(group),
+            dp_world_size=dist.get_world_size(group),
+        )
+    dp_group = mpu.get_data_parallel_group()
+    # Newer Megatron calls tensor + pipeline together "model parallel" and names the
+    # tensor-parallel group separately; older mpus (and DeepSpeed's) only have the former.
+    tp = "get_tensor_model_parallel_" if hasattr(mpu, "get_tensor_model_parallel_group") else "get_model_parallel_"
+    mp_group = getattr(mpu, tp + "group")()
+    pp = _pipe_groups(mpu)
+    ctx = DistributedContext(
         device=device,
         backend=backend,
         rank=dist.get_rank(),
@@ -127,8 +145,62 @@ def init_distributed(
         dp_rank=dist.get_rank(dp_group),
         dp_world_size=dist.get_world_size(dp_group),
         mp_group=mp_group,
-        mp_world_size=mp_world_size,
+        mp_world_size=getattr(mpu, tp + "world_size")(),
+        tp_rank=getattr(mpu, tp + "rank")() if hasattr(mpu, tp + "rank") else dist.get_rank(mp_group),
+        pp_group=pp[0],
+        pp_rank=pp[1],
+        pp_world_size=pp[2],
     )
+    _check_mpu(ctx)
+    return dataclasses.replace(ctx, replica_group=_replica_group(ctx))
+
+
+def _pipe_groups(mpu: ModelParallelUnit) -> tuple[ProcessGroup | None, int, int]:
+    """The mpu's pipeline group, rank and size (Megatron's mpu may have none)."""
+    for prefix in ("get_pipe_parallel_", "get_pipeline_model_parallel_"):
+        if hasattr(mpu, prefix + "group"):
+            return getattr(mpu, prefix + "group")(), getattr(mpu, prefix + "rank")(), getattr(mpu, prefix + "world_size")()
+    return None, 0, 1
+
+
+def _check_mpu(ctx: DistributedContext) -> None:
+    """A user's mpu must describe this world: its groups' sizes multiply to the world size
+    and this rank is in each of them."""
+    if ctx.dp_rank < 0 or (ctx.mp_group is not None and dist.get_rank(ctx.mp_group) < 0):
+        raise ValueError(
+            f"mpu: rank {ctx.rank} is not a member of the data-parallel or model-parallel group the mpu returned"
+        )
+    if ctx.mp_group is not None and dist.get_world_size(ctx.mp_group) != ctx.mp_world_size:
+        raise ValueError(
+            f"mpu: get_model_parallel_world_size() is {ctx.mp_world_size} but its group has "
+            f"{dist.get_world_size(ctx.mp_group)} ranks"
+        )
+    total = ctx.dp_world_size * ctx.mp_world_size * ctx.pp_world_size
+    if total != ctx.world_size:
+        raise ValueError(
+            f"mpu does not match the world: data-parallel {ctx.dp_world_size} x model(tensor)-parallel "
+            f"{ctx.mp_world_size} x pipeline {ctx.pp_world_size} = {total} ranks, but the world has "
+            f"{ctx.world_size}; check the mpu's groups (or pass none)"
+        )
+
+
+def _replica_group(ctx: DistributedContext) -> ProcessGroup | None:
+    """The ranks sharing this rank's data-parallel coordinate (see ``DistributedContext``).
+
+    Collective over the world: ranks with the same data-parallel rank hold one replica
+    between them; every distinct group is created in the same order on every rank.
+    """
+    if ctx.dp_world_size == ctx.world_size:
+        return None
+    coords: list[int | None] = [None] * ctx.world_size
+    dist.all_gather_object(coords, ctx.dp_rank)
+    out = None
+    for coord in sorted(set(coords)):  # type: ignore[type-var]
+        members = [r for r, c in enumerate(coords) if c == coord]
+        created = dist.new_group(members)
+        if coord == ctx.dp_rank:
+            out = created
+    return out
 
 
 @functools.cache

@@ -118,26 +118,6 @@ def _combine(*parts: Callable[[Config], list[str]]) -> Callable[[Config], list[s
     return requests
 
 
-# DeepSpeed's pipeline defaults; only differences ask for something.
-_PIPELINE_DEFAULTS: dict[str, Any] = {
-    "stages": "auto",
-    "partition": "best",
-    "seed_layers": False,
-    "activation_checkpoint_interval": 0,
-    "pipe_partitioned": True,
-    "grad_partitioned": True,
-}
-
-
-def _pipeline(cfg: Config) -> list[str]:
-    settings = cfg.pipeline or {}
-    return [
-        f"pipeline.{key}={_fmt(value)}"
-        for key, value in settings.items()
-        if key not in _PIPELINE_DEFAULTS or _PIPELINE_DEFAULTS[key] != value
-    ]
-
-
 def _above(path: str, threshold: int) -> Callable[[Config], list[str]]:
     def requests(cfg: Config) -> list[str]:
         obj = _resolve(cfg, path)
@@ -154,21 +134,6 @@ def _set(path: str, key: str | None = None) -> Callable[[Config], list[str]]:
         return [f"{key or path}={_fmt(obj)}"] if obj is not None else []
 
     return requests
-
-
-def _tensor_parallel(cfg: Config) -> list[str]:
-    found: list[str] = []
-
-    def walk(value: Any, path: str) -> None:
-        if isinstance(value, dict):
-            for key, inner in value.items():
-                if key in ("autotp_size", "tp_size") and isinstance(inner, int) and inner > 1:
-                    found.append(f"{path}.{key}={inner}")
-                else:
-                    walk(inner, f"{path}.{key}")
-
-    walk(cfg.tensor_parallel, "tensor_parallel")
-    return found
 
 
 def _deepcompile(cfg: Config) -> list[str]:
@@ -262,8 +227,6 @@ FEATURES: tuple[Feature, ...] = (
     Feature("disabling Python's cyclic garbage collector", False, _flags("", "disable_python_gc")),
     Feature("CUDA graph harvesting", False, _flags("", "graph_harvesting")),
     Feature("sequence parallelism", False, _above("sequence_parallel_size", 1)),
-    Feature("pipeline parallelism", False, _pipeline),
-    Feature("tensor parallelism", False, _tensor_parallel),
     Feature("DeepCompile", False, _deepcompile),
     Feature("sparse attention", False, _present("sparse_attention")),
     Feature("weight quantization", False, _present("weight_quantization")),

@@ -21,6 +21,7 @@ from terascale.config.auto import AutoContext, Resolved, find_autos, resolve_aut
 from terascale.config.batch import BatchSizes, resolve_batch_sizes
 from terascale.config.compat import upgrade
 from terascale.config.errors import ConfigError, from_validation_error, key_names, submodel
+from terascale.config.parallel import PipelineConfig, TensorParallelConfig
 from terascale.config.section import TORCH_DTYPES, DtypeName, Section, normalize_dtype_name
 from terascale.config.source import read_source
 from terascale.config.zero import AioConfig, ZeroConfig
@@ -237,6 +238,8 @@ class Config(Section):
     csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     # Recognised so DeepSpeed configs load; their inner keys are not modelled, and
     # features.py refuses any that switch something on.
     comet: LooseSection = None
@@ -247,7 +250,6 @@ class Config(Section):
     torch_autocast: LooseSection = None
     elasticity: LooseSection = None
     autotuning: LooseSection = None
-    pipeline: LooseSection = None
     compression_training: LooseSection = None
     data_efficiency: LooseSection = None
     curriculum_learning: LooseSection = None
@@ -259,7 +261,6 @@ class Config(Section):
     nebula: LooseSection = None
     datastates: LooseSection = None
     compile: LooseSection = None
-    tensor_parallel: LooseSection = None
     expert_parallel: LooseSection = None
     weight_quantization: LooseSection = None
 
@@ -446,7 +447,7 @@ class Config(Section):
 _LOOSE_SECTIONS = frozenset(
     [name for name, f in Config.model_fields.items() if f.annotation == LooseSection]
     + [f"zero_optimization.{name}" for name in ("zenflow", "zeropp_loco_param", "leaf_module")]
-    + ["checkpoint.writer"]
+    + ["checkpoint.writer", "pipeline"]
 )
 
 
@@ -454,7 +455,7 @@ def _lenient_sections() -> dict[str, list[str]]:
     """The sections DeepSpeed reads loosely (ignoring keys it does not know), with their
     valid keys: see ``[Note: DeepSpeed compatibility]``."""
     sections = {"": Config}
-    for name in ("activation_checkpointing", "flops_profiler", "aio", "checkpoint", "data_types"):
+    for name in ("activation_checkpointing", "flops_profiler", "aio", "checkpoint", "data_types", "pipeline", "tensor_parallel"):
         sections[name] = submodel(Config.model_fields[name].annotation)
     return {name: key_names(model) for name, model in sections.items()}
 

@@ -28,8 +28,9 @@ import torch.distributed as dist
 from terascale.checkpoint.directory import CheckpointDirectory, validate_tag
 from terascale.checkpoint.manifest import CheckpointError, Manifest, dtype_name, parse_dtype
 from terascale.checkpoint.reader import CheckpointReader
-from terascale.checkpoint.spans import BUFFER, MASTER, OPTIM, PARAM, OptimKey, ParamInfo, Slice, SliceMode, Span
+from terascale.checkpoint.spans import BUFFER, OPTIM, OptimKey, ParamInfo, Slice, SliceMode, Span
 from terascale.checkpoint.writer import shard_file_name, snapshot, staging_pool, write_shard
+from terascale.engine.checkpoint_layout import CheckpointLayout
 from terascale.offload.aio import AioOptions, AsyncIO
 from terascale.offload.swap import BufferPool
 
@@ -58,6 +59,7 @@ class Checkpointer:
         # How long the last save kept training waiting: the save call, plus (asynchronous
         # saves) the optimizer step's wait for the write.
         self.last_stall_s = 0.0
+        self.layout = CheckpointLayout(engine.module, engine._state, engine.dist, engine._parallel)
 
     def _writer(self) -> tuple[AsyncIO, BufferPool]:
         # Kept from save to save: a fresh pool's first touch of its pages costs as much as
@@ -101,8 +103,9 @@ class Checkpointer:
         group = self._coordination_group()
         directory = CheckpointDirectory(save_dir)
         state, optimizer = engine._state, engine.optimizer
-        described = [s for chunk in state.state_slices(optimizer, SliceMode.DESCRIBE) for s in chunk]
-        buffers = _buffer_slices(engine) if rank == 0 else []
+        layout = self.layout
+        described = [s for chunk in state.state_slices(optimizer, SliceMode.DESCRIBE) for s in layout.saved(chunk)]
+        buffers = _buffer_slices(engine) if layout.saves_buffers else []
         described += buffers
         client = None
         if rank == 0 and client_state is not None:
@@ -110,7 +113,8 @@ class Checkpointer:
             torch.save(client_state, client)  # now: the caller may change the dict afterwards
         job = _SaveJob(
             directory=directory, tag=tag, save_latest=save_latest, group=group, described=described,
-            info=_RankInfo(rank, world, _rng_state(), _optim_keys(described)),
+            info=_RankInfo(rank, world, _rng_state(), _optim_keys(described), layout.params(), _aliases(engine),
+                           _buffer_infos(engine) if layout.saves_buffers else {}),
             manifest=self._manifest(tag) if rank == 0 else None,
             client_state=None if client is None else client.getvalue(),
         )  # fmt: skip
@@ -120,15 +124,16 @@ class Checkpointer:
             # the background thread writes them from where they live, without a copy,
             # while forward and backward run. Buffers (forward may update them) are
             # copied now; so is state swapped in from NVMe, whose files the step rewrites.
+            saving = (layout.saved(chunk) for chunk in state.state_slices(optimizer, SliceMode.SAVE))
             if engine.memory_breakdown()["nvme"] > 0:
-                chunks = snapshot(state.state_slices(optimizer, SliceMode.SAVE))
+                chunks = snapshot(saving)
             else:
-                chunks = [s for chunk in state.state_slices(optimizer, SliceMode.SAVE) for s in chunk]
+                chunks = [s for chunk in saving for s in chunk]
             job.chunks = [chunks + snapshot([buffers])]
             self._thread = threading.Thread(target=self._run_in_background, args=(job,), name="terascale-checkpoint")
             self._thread.start()
         else:
-            job.chunks = _chain(state.state_slices(optimizer, SliceMode.SAVE), buffers)
+            job.chunks = _chain((layout.saved(c) for c in state.state_slices(optimizer, SliceMode.SAVE)), buffers)
             self._run(job)
         self.last_stall_s = time.perf_counter() - started
         return tag
@@ -191,6 +196,10 @@ class Checkpointer:
                     manifest = job.manifest
                     assert manifest is not None
                     manifest.files = [s for s, _, _ in gathered]
+                    for _, i, _ in gathered:  # every pipeline stage's parameters and buffers
+                        manifest.params.update(i.params)
+                        manifest.aliases.update(i.aliases)
+                        manifest.buffers.update(i.buffers)
                     manifest.rng = [i.rng for _, i, _ in gathered]
                     manifest.optim_keys = {k: v for _, i, _ in gathered for k, v in i.optim_keys.items()}
                     directory.commit(tag, manifest.to_json(), save_latest=job.save_latest)
@@ -217,11 +226,6 @@ class Checkpointer:
 
     def _manifest(self, tag: str) -> Manifest:
         engine = self.engine
-        params = engine._state.checkpoint_params()
-        names: dict[int, list[str]] = {}
-        for n, p in engine.module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(n)
-        aliases = {ns[0]: ns[1:] for ns in names.values() if len(ns) > 1 and ns[0] in params}
         extra = {}
         hf_config = getattr(engine.module, "config", None)
         if hasattr(hf_config, "to_json_string") and hasattr(engine.module, "save_pretrained"):
@@ -230,9 +234,9 @@ class Checkpointer:
             tag=tag,
             world_size=dist.get_world_size(),
             stage=engine.config.zero_optimization.stage,
-            params=params,
-            aliases=aliases,
-            buffers={n: ParamInfo(tuple(b.shape), b.dtype, -1) for n, b in _persistent_buffers(engine).items()},
+            params={},  # every rank's, merged when the files are written
+            aliases={},
+            buffers={},
             optim_keys={},
             files=[],
             engine=_engine_state(engine),
@@ -267,7 +271,7 @@ class Checkpointer:
         buffers = _persistent_buffers(engine)
         with CheckpointReader(folder) as reader:
             m = reader.manifest
-            _check_fits(folder, m, engine._state.checkpoint_params(), buffers)
+            _check_fits(folder, m, self.layout.params(), buffers, self.layout.all_names(set(buffers)))
             optim_keys = None
             if with_optim:
                 _check_optimizer(folder, m, engine.optimizer)
@@ -276,7 +280,8 @@ class Checkpointer:
                 }
             for chunk in engine._state.state_slices(engine.optimizer, SliceMode.LOAD, optim_keys):
                 for span, t in chunk:
-                    _read(reader, span, t)
+                    self.layout.read(reader, span, t)
+            self.layout.done()
             for name, b in buffers.items():
                 reader.read_into(Span(BUFFER, name, 0, b.numel()), b.data)
         if not load_module_only:
@@ -307,8 +312,10 @@ class _SaveJob:
 class _RankInfo:
     """What each rank sends rank 0 for the manifest."""
 
-    def __init__(self, rank: int, world: int, rng: dict, optim_keys: dict) -> None:
+    def __init__(self, rank: int, world: int, rng: dict, optim_keys: dict, params: dict[str, ParamInfo],
+                 aliases: dict[str, list[str]], buffers: dict[str, ParamInfo]) -> None:  # fmt: skip
         self.rank, self.world, self.rng, self.optim_keys = rank, world, rng, optim_keys
+        self.params, self.aliases, self.buffers = params, aliases, buffers
 
 
 def _chain(chunks: Any, last: list[Slice]) -> Any:
@@ -330,6 +337,18 @@ def _persistent_buffers(engine: Engine) -> dict[str, torch.Tensor]:
     return {n: b for n, b in engine.module.named_buffers() if n in keys}
 
 
+def _aliases(engine: Engine) -> dict[str, list[str]]:
+    """A parameter's other names (tied inside this rank's module), by its first name."""
+    names: dict[int, list[str]] = {}
+    for n, p in engine.module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    return {ns[0]: ns[1:] for ns in names.values() if len(ns) > 1}
+
+
+def _buffer_infos(engine: Engine) -> dict[str, ParamInfo]:
+    return {n: ParamInfo(tuple(b.shape), b.dtype, -1) for n, b in _persistent_buffers(engine).items()}
+
+
 def _buffer_slices(engine: Engine) -> list[Slice]:
     return [(Span(BUFFER, n, 0, b.numel()), b.detach().reshape(-1)) for n, b in _persistent_buffers(engine).items()]
 
@@ -343,29 +362,16 @@ def _optim_keys(described: list[Slice]) -> dict[str, dict]:
     return keys
 
 
-def _read(reader: CheckpointReader, span: Span, out: torch.Tensor) -> None:
-    """Read ``span``; a parameter trainable in one run and frozen in the other is found
-    under the other kind (master vs param) and cast."""
-    if not reader.has(span.key, span.name):
-        other = {MASTER: PARAM, PARAM: MASTER}.get(span.key)
-        if other is not None and reader.has(other, span.name):
-            span = Span(other, span.name, span.start, span.end)
-        elif span.key.startswith(OPTIM):
-            # The saving optimizer never stepped this parameter (no gradient at stage 0):
-            # its state is the fresh one. A 0-d value is shared by the parameters of one
-            # master, so it is left to those that have it.
-            if out.dim() > 0:
-                out.zero_()
-            return
-    reader.read_into(span, out)
-
-
-def _check_fits(folder: Path, m: Manifest, params: dict[str, ParamInfo], buffers: dict[str, torch.Tensor]) -> None:
-    """A clear error when the checkpoint is of another model: names missing, unexpected, reshaped."""
+def _check_fits(
+    folder: Path, m: Manifest, params: dict[str, ParamInfo], buffers: dict[str, torch.Tensor], model_names: set[str]
+) -> None:
+    """A clear error when the checkpoint is of another model: names missing, unexpected,
+    reshaped. ``params``/``buffers`` are this rank's; ``model_names`` every parameter and
+    buffer name of the model (other pipeline stages hold the rest)."""
     mine = {**{n: p.shape for n, p in params.items()}, **{n: tuple(b.shape) for n, b in buffers.items()}}
     saved = {**{n: p.shape for n, p in m.params.items()}, **{n: p.shape for n, p in m.buffers.items()}}
     missing = sorted(set(mine) - set(saved))
-    unexpected = sorted(set(saved) - set(mine))
+    unexpected = sorted(set(saved) - model_names)
     reshaped = sorted(f"{n}: checkpoint {list(saved[n])}, model {list(mine[n])}" for n in set(mine) & set(saved)
                       if tuple(saved[n]) != tuple(mine[n]))  # fmt: skip
     if missing or unexpected or reshaped:

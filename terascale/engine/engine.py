@@ -10,7 +10,7 @@ optimizer/scheduler come from ``terascale.optim``. The train step has no per-sta
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,6 +26,8 @@ from terascale.engine.clipping import clip_coefficient
 from terascale.engine.loss_scaler import build_loss_scaler
 from terascale.engine.model_state import ModelState, adopt_optimizer, build_model_state
 from terascale.engine.monitor import StepTimers, build_monitors
+from terascale.engine.parallel import ParallelLayout, join_model_parallel
+from terascale.engine.pipeline import pipeline_for
 from terascale.engine.precision import PrecisionPolicy
 from terascale.offload.policy import unpinned_keys
 from terascale.optim import build_optimizer, build_scheduler
@@ -93,8 +95,9 @@ class Engine(nn.Module):
         param_groups = _user_param_groups(module, optimizer, model_parameters)
         # Blocks are found before ZeRO shards the parameters (a sharded block looks empty).
         self.activations = EngineActivations(self.module, config, dist_ctx, wrap_policy or WrapPolicy())
+        self._parallel = ParallelLayout.build(self.module, dist_ctx)
         self._state: ModelState = build_model_state(
-            self.module, param_groups, config, dist_ctx, self.precision, wrap_policy
+            self.module, param_groups, config, dist_ctx, self.precision, wrap_policy, self._parallel.classes
         )
         self.optimizer = self._build_optimizer(optimizer)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
@@ -105,6 +108,7 @@ class Engine(nn.Module):
         # set by set_gradient_accumulation_boundary (a trainer that decides them itself).
         self._boundary: bool | None = None
         self._window_norm: torch.Tensor | None = None  # this window's unscaled gradient norm, once computed
+        self._ties_summed = False  # this window's tied gradients summed over their copies
         self._has_grads = False
         self.global_steps = 0
         self.global_samples = 0
@@ -116,6 +120,7 @@ class Engine(nn.Module):
         self._monitors = build_monitors(config) if dist_ctx.dp_rank == 0 else []
         self.training_dataloader = None  # set by initialize(); its sampler position is checkpointed
         self._checkpointer = Checkpointer(self)
+        self._pipeline = pipeline_for(self)  # a PipelineModule's schedule runner, else None
 
     # -- properties a training script reads ------------------------------------------------
 
@@ -171,6 +176,8 @@ class Engine(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module; tensor inputs are moved to the engine's device."""
+        if self._pipeline is not None:
+            self._pipeline.refuse_direct("engine.forward")
         self.timers.start("forward")
         args, kwargs = _to_device((args, kwargs), self.device, self._input_cast_dtype())
         with self.activations.forward_context():
@@ -185,6 +192,8 @@ class Engine(nn.Module):
         On the last micro-step of a window, gradient buckets are all-reduced while the
         rest of backward still runs.
         """
+        if self._pipeline is not None:
+            self._pipeline.refuse_direct("engine.backward")
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
         self.timers.start("backward")
@@ -199,6 +208,8 @@ class Engine(nn.Module):
 
     def step(self) -> None:
         """Count a micro-step; at an accumulation boundary, update the parameters."""
+        if self._pipeline is not None:
+            self._pipeline.refuse_direct("engine.step")
         if self.is_gradient_accumulation_boundary():
             self.timers.start("step")
             self._optimizer_step()
@@ -209,6 +220,61 @@ class Engine(nn.Module):
             self.activations.log_profile(self.global_steps)
         self.micro_steps += 1
 
+    # -- pipeline parallelism (a terascale.pipe.PipelineModule; see terascale.engine.pipeline) --
+
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        """Train on one global batch: ``gradient_accumulation_steps`` micro-batches from
+        ``data_iter`` (``(inputs, labels)`` pairs; default: the ``training_data`` loader)
+        through the pipeline schedule, then one optimizer step.
+
+        Collective over every rank. Returns the batch's mean loss (over micro-batches and
+        data-parallel replicas), the same float tensor on every pipeline stage.
+        """
+        return self._pipeline_or_error("train_batch").train_batch(data_iter)
+
+    def eval_batch(self, data_iter: Iterator[Any] | None, return_logits: bool = False, compute_loss: bool = True) -> Any:
+        """Forward ``gradient_accumulation_steps`` micro-batches without gradients.
+
+        Returns the mean loss on every stage (None without ``compute_loss``), with
+        ``return_logits`` as ``(loss, outputs)``: the last stage's outputs of the batch
+        (concatenated along dim 0), None on other stages. Collective over every rank.
+        """
+        return self._pipeline_or_error("eval_batch").eval_batch(data_iter, return_logits, compute_loss)
+
+    def pipeline_stats(self) -> dict[str, float]:
+        """This stage's timing of the last train/eval batch: ``step_s`` (wall time of the
+        schedule), ``busy_s`` (forward and backward compute), ``bubble`` (1 - busy/step) and
+        ``ideal_bubble`` ((p - 1) / (v m + p - 1) for p stages, v chunks, m micro-batches)."""
+        return self._pipeline_or_error("pipeline_stats").stats()
+
+    def _pipeline_or_error(self, what: str) -> Any:
+        if self._pipeline is None:
+            raise ValueError(f"engine.{what} needs a terascale.pipe.PipelineModule as the model")
+        return self._pipeline
+
+    def backward_stage(
+        self, tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None = None, *, sync: bool
+    ) -> None:
+        """One pipeline stage's backward of one micro-batch (the pipeline runner calls it).
+
+        ``grads=None``: ``tensors`` is ``[loss]``, scaled here as :meth:`backward` scales
+        (1/accumulation steps, fp16 loss scale). Otherwise ``tensors`` are a chunk's
+        outputs and ``grads`` their gradients from the next stage, which already carry
+        that scaling. ``sync`` marks the last backward of the window on this stage: the
+        model state reduces the gradients then (and ZeRO-2/3 after every backward).
+        """
+        self.timers.start("backward")
+        self._state.prepare_backward(sync=sync)
+        self.activations.before_backward()
+        if grads is None:
+            (loss,) = tensors
+            (loss.float() * (self.loss_scaler.scale / self.gradient_accumulation_steps)).backward()
+        elif tensors:
+            torch.autograd.backward(list(tensors), list(grads))
+        self._state.post_backward()
+        self._has_grads = True
+        self.timers.stop("backward")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients accumulated so far in this window (``set_to_none`` is
         accepted for ``nn.Module``'s signature; gradient buffers are kept for reuse)."""
@@ -216,6 +282,7 @@ class Engine(nn.Module):
             self._state.zero_grad()
             self._has_grads = False
         self._window_norm = None
+        self._ties_summed = False
 
     def window_grad_norm(self) -> torch.Tensor:
         """The global L2 norm of this window's reduced gradients, unscaled, before
@@ -224,8 +291,15 @@ class Engine(nn.Module):
         Computed once per window; the optimizer step clips with the same value.
         """
         if self._window_norm is None:
-            self._window_norm = self._state.grad_norm() / self.loss_scaler.scale
+            self._sum_tied_grads()
+            self._window_norm = self._parallel.grad_norm(self._state) / self.loss_scaler.scale
         return self._window_norm
+
+    def _sum_tied_grads(self) -> None:
+        """Once per window, before the gradients are used ([Note: tied parameters across stages])."""
+        if not self._ties_summed:
+            self._parallel.sum_tied_grads(self._state)
+            self._ties_summed = True
 
     def _optimizer_step(self) -> None:
         self._checkpointer.before_update()  # an asynchronous save may still read the state
@@ -236,6 +310,7 @@ class Engine(nn.Module):
             norm = self.window_grad_norm()
         overflow = False
         if self.config.fp16.enabled:
+            # The norm is global (every rank holds the same one), so this agrees everywhere.
             overflow = all_reduce_flag(~torch.isfinite(norm), self.dp_group, self.device)
             self.loss_scaler.update(overflow)
         if overflow:
@@ -246,6 +321,7 @@ class Engine(nn.Module):
                 self.global_steps, scale, self.loss_scaler.scale,
             )
         else:
+            self._sum_tied_grads()
             # Unscaling and clipping are one multiplication of the gradients.
             multiplier = torch.tensor(1.0 / scale, device=self.device)
             if clip > 0:
@@ -258,6 +334,7 @@ class Engine(nn.Module):
         self._state.zero_grad()
         self._has_grads = False
         self._window_norm = None
+        self._ties_summed = False
 
     def _report(self) -> None:
         every = self.config.steps_per_print
@@ -366,10 +443,11 @@ class Engine(nn.Module):
         """Every parameter and persistent buffer by name, full size, fp32, on CPU, on every rank.
 
         Trainable parameters come from the fp32 masters; tied parameters appear under each
-        of their names, as in ``module.state_dict()``. Collective at ZeRO stages 1-3: call
-        it on every rank.
+        of their names, as in ``module.state_dict()``; tensor-parallel slices are joined
+        and every pipeline stage's entries included. Collective at ZeRO stages 1-3 and
+        under model parallelism: call it on every rank.
         """
-        return untiled_state_dict(self.module, self._state.full_state_dict())
+        return join_model_parallel(untiled_state_dict(self.module, self._state.full_state_dict()), self.module, self.dist)
 
     def save_16bit_model(self, save_dir: str | Path, save_filename: str = "pytorch_model.bin") -> bool:
         """Write the model's weights in the compute dtype to ``save_dir/save_filename`` (rank 0).
@@ -487,6 +565,7 @@ class Engine(nn.Module):
         else:
             built = build_optimizer(section.type, dict(section.params), groups)
         self._state.check_optimizer(built)
+        self._parallel.check_optimizer(built, self.module)
         return built
 
     def _build_scheduler(self, lr_scheduler: SchedulerArg) -> Any:

@@ -14,6 +14,8 @@ from terascale.comm import ModelParallelUnit, init_distributed
 from terascale.config import AutoContext, Config
 from terascale.engine.data import build_dataloader
 from terascale.engine.engine import Engine, OptimizerArg, SchedulerArg
+from terascale.engine.parallel import check_layout, model_parallel_unit
+from terascale.parallel.tensor import auto_tp
 from terascale.zero import WrapPolicy
 
 
@@ -51,7 +53,12 @@ def initialize(
             "args with --config"
         )
     cfg = Config.load(source)
+    mpu = model_parallel_unit(model, cfg, mpu)
     dist_ctx = init_distributed(mpu)
+    check_layout(model, cfg, dist_ctx)
+    if cfg.tensor_parallel.autotp_size > 1:
+        # Sliced before anything reads the model's sizes or parameters (auto values, ZeRO).
+        auto_tp(model, dist_ctx.mp_group)
     # [Note: auto values]: what an integration gave is already in cfg; the rest comes
     # from the world size and the model.
     cfg = cfg.resolve(AutoContext(world_size=dist_ctx.dp_world_size, model=model))

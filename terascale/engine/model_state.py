@@ -6,7 +6,11 @@ gradients and optimizer state, and that is behind :class:`ModelState`:
 
 - ``prepare_backward(sync)`` / ``post_backward()`` bracket each backward (``sync`` on the
   last micro-step of a window: gradients are reduced over the data-parallel ranks);
-- ``grad_norm()`` is the global norm of the reduced, still loss-scaled gradients;
+- ``grad_sq_norm(skip)`` is the squared norm of the reduced, still loss-scaled gradients
+  over the data-parallel group, leaving out the parameters in ``skip`` (model-parallel
+  copies another rank counts, see ``terascale/engine/parallel.py``);
+- ``sum_grads(params, group)`` sums the reduced gradients of ``params`` over ``group``
+  (tied copies on other pipeline stages);
 - ``step(optimizer, multiplier)`` scales the gradients by ``multiplier`` (unscale and clip
   in one pass), steps the optimizer and writes the result back into the model;
 - ``zero_grad()``, ``full_state_dict()``, ``memory()`` and ``remove_hooks()``;
@@ -20,12 +24,13 @@ Stage 0 is :class:`ReplicatedState` (below); stages 1-3 are
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Hashable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from terascale.checkpoint.spans import (
     MASTER,
@@ -41,7 +46,7 @@ from terascale.checkpoint.spans import (
 from terascale.comm import DistributedContext, GradientBuckets, ReducePolicy
 from terascale.comm.sparse import CommStats, sparse_gradient_params
 from terascale.config import Config
-from terascale.engine.clipping import global_grad_norm
+from terascale.comm.collectives import global_grad_sq_norm
 from terascale.engine.precision import MasterWeights, PrecisionPolicy
 from terascale.zero import ShardedState, WrapPolicy, zero_options
 from terascale.zero.flat_group import FlatLayout
@@ -55,7 +60,9 @@ class ModelState(Protocol):
 
     def post_backward(self) -> None: ...
 
-    def grad_norm(self) -> torch.Tensor: ...
+    def grad_sq_norm(self, skip: Collection[int] = frozenset()) -> torch.Tensor: ...
+
+    def sum_grads(self, params: Sequence[nn.Parameter], group: ProcessGroup) -> None: ...
 
     def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None: ...
 
@@ -116,6 +123,7 @@ class ReplicatedState:
         )
         self._finished = False
         self._group = group
+        self._device = device
         opt_group_of = {id(p): k for k, grp in enumerate(param_groups) for p in grp["params"]}
         # Every parameter once, by its first name, in module order (the same on every rank).
         self._named = list(module.named_parameters())
@@ -135,10 +143,20 @@ class ReplicatedState:
     def post_backward(self) -> None:
         pass  # the buckets finish at the step: an accumulation window may span backwards
 
-    def grad_norm(self) -> torch.Tensor:
+    def grad_sq_norm(self, skip: Collection[int] = frozenset()) -> torch.Tensor:
         self._finish()
         # Gradients are replicated after the all-reduce, so no group is needed here.
-        return global_grad_norm(self._grads())
+        skipped = {id(self._masters.master_of(p)) for p in self._masters.model_params if id(p) in skip}
+        grads = [m.grad for m in self._masters.masters if m.grad is not None and id(m) not in skipped]
+        return global_grad_sq_norm(grads, device=self._device)
+
+    @torch.no_grad()
+    def sum_grads(self, params: Sequence[nn.Parameter], group: ProcessGroup) -> None:
+        self._finish()
+        for p in params:
+            grad = self._masters.master_of(p).grad
+            assert grad is not None, "a tied parameter has no gradient in this window"
+            dist.all_reduce(grad, group=group)
 
     def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
         self._finish()
@@ -248,6 +266,7 @@ def build_model_state(
     dist_ctx: DistributedContext,
     precision: PrecisionPolicy,
     wrap_policy: WrapPolicy | None = None,
+    param_classes: Mapping[int, Hashable] | None = None,
 ) -> ModelState:
     """The model state for ``config.zero_optimization.stage`` (see ``[Note: model state]``).
 
@@ -283,4 +302,5 @@ def build_model_state(
         dist_ctx.dp_group,
         dtype=precision.compute_dtype,
         device=dist_ctx.device,
+        param_classes=param_classes,
     )

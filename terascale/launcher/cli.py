@@ -105,7 +105,7 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
         "ZeRO stages 0-3 with and without optimizer/parameter offload, by the ZeRO formulas.",
     )
     p.add_argument("--params", type=float, required=True, help="number of parameters (e.g. 7e9)")
-    p.add_argument("--world", type=int, default=1, help="data-parallel ranks (default 1)")
+    p.add_argument("--world", type=int, default=1, help="ranks (default 1): data-parallel, or split into pp x tp x dp with --layouts")
     p.add_argument("--largest-layer", type=float, default=None,
                    help="parameters of the largest layer (stage-3 working set; default params/10)")
     p.add_argument("--offload", nargs="+", choices=("none", "cpu", "nvme"), default=("none", "cpu", "nvme"),
@@ -117,6 +117,12 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
     shape.add_argument("--seq", type=int, help="sequence length")
     shape.add_argument("--micro-batch", type=int, default=1, help="micro-batch per rank (default 1)")
     shape.add_argument("--unfused-attention", action="store_true", help="attention scores are kept (no flash/SDPA)")
+    layouts = p.add_argument_group("3D layouts (with the shape above): every pp x tp x dp of --world ranks")
+    layouts.add_argument("--layouts", action="store_true",
+                         help="memory per rank and bytes communicated per step for each layout and ZeRO stage")
+    layouts.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
+    layouts.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+                         help="list only the layouts that fit this many GiB per rank")
     p.set_defaults(handler=_estimate)
 
 
@@ -137,6 +143,17 @@ def _estimate(args: argparse.Namespace) -> int:
                                     micro_batch=args.micro_batch, fused_attention=not args.unfused_attention)
         print()
         print(format_activation_estimates(acts, args.seq, args.micro_batch))
+    if args.layouts:
+        if None in shape or args.global_batch is None:
+            print("terascale estimate --layouts needs --layers, --hidden, --heads, --seq and --global-batch", file=sys.stderr)
+            return 2
+        from terascale.parallel.estimate import estimate_layouts, format_layouts
+
+        rows = estimate_layouts(params=args.params, world=args.world, layers=args.layers, hidden=args.hidden,
+                                heads=args.heads, seq=args.seq, global_batch=args.global_batch,
+                                micro_batch=args.micro_batch, fused_attention=not args.unfused_attention)  # fmt: skip
+        print()
+        print(format_layouts(rows, args.device_memory))
     return 0
 
 

@@ -15,7 +15,7 @@ their byte ranges) one run ahead of the run being updated (:meth:`GradSwapper.pi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -71,6 +71,19 @@ class GradSwapper:
             self.norms[g] = l2_norm(shard)
         self.writes.write(buf, shard, self._file(g))
         self._stored[g] = self._on_disk[g] = True
+
+    @torch.no_grad()
+    def update(self, g: int, fn: Callable[[torch.Tensor], object]) -> None:
+        """Apply ``fn`` in place to group ``g``'s window gradient in its file (after the
+        window's last micro-step) and take its norm again."""
+        assert self._stored[g], f"group {g} has no gradient in this window"
+        self.writes.drain()
+        buf = self.writes.acquire()
+        shard = buf[: self.shard_numel[g] * self.dtype.itemsize].view(self.dtype)
+        self.aio.sync_read(shard, self._file(g))
+        fn(shard)
+        self.norms[g] = l2_norm(shard)
+        self.writes.write(buf, shard, self._file(g))
 
     def zero_(self) -> None:
         """Forget the window's gradients (the files are overwritten by the next window)."""

@@ -20,6 +20,27 @@ added, and only the padding and slots without a gradient are zeroed before a red
 A parameter that gets no gradient on a rank contributes zeros; one unused on every
 rank gets a zero gradient (DeepSpeed's ZeRO semantics; stage 0 leaves it ``None``).
 
+[Note: reduce what a backward touched]
+At stages 2-3 a backward need not reduce every group: a pipeline stage with virtual
+stages runs each chunk's backward separately, and reducing the other chunks' groups (as
+zeros) would multiply the reduce traffic by the number of chunks. Which groups a
+backward touched is known only locally, though, and a group may get gradients on one
+rank and none on another (data-dependent branches), while every rank must launch the
+same reductions in the same order. So each backward of a window reduces the groups of a
+*plan* that all ranks share: ``plan[k]`` is the set of groups that some rank touched in
+backward ``k`` of an earlier window (no plan yet, or more backwards than it has: every
+group, as before). Skipping a group whose buffer holds gradients is always correct, it
+only defers them: the buffer keeps accumulating, as at stage 1, until a later reduction.
+At the window's last backward the ranks agree, with one all-reduce of a
+``backwards x groups`` flag table, on what each backward touched anywhere; groups touched
+after their last reduction, and groups never reduced in the window (their gradient is
+zero), are reduced then, and the table becomes the next window's plan. When the last
+backward reduces every group nothing can be left over, and a plan that exists is kept
+without the all-reduce (plain data parallelism pays it once). A group's reduction that
+the plan says is its last of the window passes ``last_micro_step`` to the gradient
+swapper (its norm is taken then); a norm left stale by a plan that did not hold is
+retaken at the window's end. Stage 1 reduces once per window and has nothing to skip.
+
 [Note: sparse rows in a group]
 With ``sparse_gradients`` a group holding parameters named in ``GradPolicy.sparse_params``
 (sparse embeddings, see [Note: sparse gradients] in :mod:`terascale.comm.sparse`) is
@@ -167,6 +188,13 @@ class ShardedGrads:
         self._sync = True
         self._window_end = True
         self._pending: list[_Pending] = []
+        # [Note: reduce what a backward touched]: the shared plan, this window's backwards
+        # so far as (groups touched on this rank, groups reduced), the groups the current
+        # backward reduces (in launch order) and the groups whose swapped norm is stale.
+        self._plan: list[frozenset[int]] = []
+        self._window: list[tuple[list[bool], frozenset[int]]] = []
+        self._scope: list[int] = self._order
+        self._stale_norms: set[int] = set()
         self.comm = CommStats()  # bytes this rank sends reducing gradients (for benchmarks)
         # Groups with row-sparse slots (see [Note: sparse rows in a group]); fixed by the
         # names in the policy, so every rank reduces the same groups the same way.
@@ -184,12 +212,19 @@ class ShardedGrads:
     # -- backward --------------------------------------------------------------------------
 
     def prepare_backward(self, sync: bool) -> None:
-        """Start a backward; ``sync`` marks the last micro-step of an accumulation window."""
+        """Start a backward; ``sync`` marks the last micro-step of an accumulation window.
+        At stages 2-3 the backward reduces the groups that the plan gives its place in the
+        window (see [Note: reduce what a backward touched])."""
         self._sync = sync or self.policy.reduce_every_micro_step
         self._window_end = sync
         self._count = [0] * len(self.groups)
         self._done = [False] * len(self.groups)
         self._next = 0
+        k = len(self._window)
+        if self.policy.reduce_every_micro_step and k < len(self._plan):
+            self._scope = [g for g in self._order if g in self._plan[k]]
+        else:
+            self._scope = self._order
 
     def _hook(self, g: int, i: int) -> Callable[[nn.Parameter], None]:
         slot = self.groups[g].layout.slots[i]
@@ -267,8 +302,8 @@ class ShardedGrads:
                 self._written[g][i] = True
 
     def _launch_ready(self) -> None:
-        while self._next < len(self._order) and self._done[self._order[self._next]]:
-            self._launch(self._order[self._next])
+        while self._next < len(self._scope) and self._done[self._scope[self._next]]:
+            self._launch(self._scope[self._next])
             self._next += 1
 
     def _launch(self, g: int) -> None:
@@ -362,7 +397,7 @@ class ShardedGrads:
                     values = values * post
                 add_rows_to_range(out[a - lo : b - lo], a - slot.offset, indices, values)
         if self.swapper is not None:  # [Note: gradient swapping]
-            self.swapper.store(g, out, last_micro_step=self._window_end)
+            self._store(g, out)
         else:
             self.shards[g] = out
         if pol.reduce_every_micro_step:
@@ -384,7 +419,7 @@ class ShardedGrads:
             reduced.mul_(post)
         flat = self._flat[g]
         if self.swapper is not None:  # [Note: gradient swapping]
-            self.swapper.store(g, reduced, last_micro_step=self._window_end)
+            self._store(g, reduced)
             self._retire(g)
             return
         if not pol.reduce_every_micro_step:
@@ -399,6 +434,18 @@ class ShardedGrads:
         else:
             self.shards[g].add_(reduced)
         self._retire(g)
+
+    def _store(self, g: int, reduced: torch.Tensor) -> None:
+        """Hand group ``g``'s reduced shard to the swapper, saying whether the plan makes
+        this its last reduction of the window ([Note: reduce what a backward touched])."""
+        assert self.swapper is not None
+        k = len(self._window)  # this backward's index in the window
+        last = self._window_end or (k < len(self._plan) and not any(g in later for later in self._plan[k + 1 :]))
+        self.swapper.store(g, reduced, last_micro_step=last)
+        if last:
+            self._stale_norms.discard(g)
+        else:
+            self._stale_norms.add(g)
 
     def _shard_storage(self, g: int) -> torch.Tensor:
         """Group ``g``'s gradient-shard storage, kept across windows (it is model state: 2Ψ/N bytes)."""
@@ -417,18 +464,59 @@ class ShardedGrads:
             self._flat[g] = None
 
     def post_backward(self) -> None:
-        """End a backward: on a synchronising one, reduce every group left and wait for all.
+        """End a backward: on a synchronising one, reduce every group of its scope left
+        and wait for all; at stages 2-3 the window's last one also reduces what earlier
+        backwards left (see [Note: reduce what a backward touched]).
 
-        Groups whose parameters did not all get gradients (unused on this rank) are
-        reduced here, so every rank takes part in every group's collective.
+        Groups of the scope whose parameters did not all get gradients (unused on this
+        rank) are reduced here, so every rank takes part in every group's collective.
         """
         if not self._sync:
             return
-        for g in self._order:
+        self._reduce_rest_of_scope()
+        if not self.policy.reduce_every_micro_step:
+            return  # stage 1: the window's end, every group reduced
+        self._window.append(([c > 0 for c in self._count], frozenset(self._scope)))
+        if self._window_end:
+            self._end_window()
+
+    def _reduce_rest_of_scope(self) -> None:
+        for g in self._scope:
             self._done[g] = True
         self._launch_ready()
         while self._pending:
             self._complete(self._pending.pop(0))
+
+    def _end_window(self) -> None:
+        """After the window's last backward (stages 2-3): reduce the groups earlier
+        backwards left unreduced, learn the next plan, retake stale swapped norms."""
+        if not (self._plan and len(self._scope) == len(self._order)):
+            touched = self._touched_anywhere()
+            self._scope, self._next = [g for g in self._order if self._left_over(g, touched)], 0
+            self._reduce_rest_of_scope()
+            self._plan = [frozenset(g for g in self._order if row[g]) for row in touched]
+        self._window = []
+        assert all(flat is None for flat in self._flat), "a group's gradients were left unreduced"
+        for g in sorted(self._stale_norms):
+            assert self.swapper is not None
+            self.swapper.update(g, lambda shard: None)  # only retakes the norm
+        self._stale_norms.clear()
+
+    def _touched_anywhere(self) -> list[list[bool]]:
+        """Per backward of this window, per group: whether some rank of the group gave it
+        gradients (one all-reduce of the flags)."""
+        flags = torch.tensor([row for row, _ in self._window], dtype=torch.int32)
+        if self.world > 1 and self.groups:
+            flags = flags.to(self.groups[0].device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pg)
+        return (flags > 0).tolist()
+
+    def _left_over(self, g: int, touched: list[list[bool]]) -> bool:
+        """Whether group ``g`` was never reduced in the window or touched after its last
+        reduction (``touched``: agreed by every rank, so every rank decides alike)."""
+        reduced = [k for k, (_, scope) in enumerate(self._window) if g in scope]
+        last_touch = max((k for k, row in enumerate(touched) if row[g]), default=-1)
+        return not reduced or last_touch > reduced[-1]
 
     def zero_(self) -> None:
         """Forget the gradients of the finished window."""
@@ -438,6 +526,8 @@ class ShardedGrads:
             self._written[g] = [False] * len(self._written[g])  # stage 1: overwrite next window
             self._rows[g] = {}
             self.shards[g] = None
+        self._window = []  # a window dropped half-way starts again at its first backward
+        self._stale_norms.clear()
         if self.swapper is not None:
             self.swapper.zero_()
 

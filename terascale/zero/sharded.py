@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +26,7 @@ from torch.distributed import ProcessGroup
 
 from terascale.checkpoint.spans import OptimKey, ParamInfo, Slice, SliceMode
 from terascale.comm import all_gather_flat, duplicate_group
-from terascale.comm.collectives import global_grad_norm
+from terascale.comm.collectives import global_grad_sq_norm
 from terascale.config import Config
 from terascale.config.schema import TORCH_DTYPES
 from terascale.offload import AsyncIO, OptimizerOffload, host_adam, optimizer_offload
@@ -121,6 +121,7 @@ class ShardedState:
         *,
         dtype: torch.dtype,
         device: torch.device,
+        param_classes: Mapping[int, Hashable] | None = None,
     ) -> None:
         self.module = module
         self.options = options
@@ -134,6 +135,7 @@ class ShardedState:
             opt_group_of,
             persistence_threshold=options.persistence_threshold,
             shard_params=options.stage == 3,
+            classes=param_classes,
         )
         # [Note: building under a memory bound]: groups are built one at a time; each
         # takes its parameters over from a zero.Init (whose slices are then freed) and,
@@ -251,12 +253,39 @@ class ShardedState:
         if self.schedule is not None:
             self.schedule.post_backward()
 
-    def grad_norm(self) -> torch.Tensor:
+    def grad_sq_norm(self, skip: Collection[int] = frozenset()) -> torch.Tensor:
+        """The squared L2 norm of the window's reduced gradients over the data-parallel
+        group (every rank's shards together), leaving out the groups of the parameters
+        whose ids are in ``skip`` (whole groups: see [Note: parameter classes])."""
+        skipped = self._groups_of(skip)
         swapper = self.grads.swapper
         if swapper is not None:  # norms taken as the shards went to disk; the norm of norms
-            return global_grad_norm([n.to(self.device) for n in swapper.norms if n is not None], self.group, device=self.device)
+            norms = [n.to(self.device) for g, n in enumerate(swapper.norms) if n is not None and g not in skipped]
+            return global_grad_sq_norm(norms, self.group, device=self.device)
         pieces = self.masters.grad_pieces(self.grads.shards)
-        return global_grad_norm(pieces, self.group, device=self.device)
+        kept = [t for t, piece in zip(pieces, self.masters.pieces) if piece.group not in skipped]
+        return global_grad_sq_norm(kept, self.group, device=self.device)
+
+    @torch.no_grad()
+    def sum_grads(self, params: Sequence[nn.Parameter], group: ProcessGroup) -> None:
+        """Sum the window's reduced gradients of ``params`` over ``group`` in place (tied
+        copies on other pipeline stages: [Note: tied parameters across stages]).
+
+        ``params`` must fill whole groups, so that every member of ``group``, holding the
+        same parameters, has the same flat layout and each rank's shard lines up with
+        its peers'."""
+        for g in sorted(self._groups_of({id(p) for p in params})):
+            assert {id(p) for p in self.groups[g].params} <= {id(p) for p in params}, "tied parameters share a group"
+            swapper = self.grads.swapper
+            if swapper is not None:
+                swapper.update(g, lambda shard: dist.all_reduce(shard, group=group))
+                continue
+            shard = self.grads.shards[g]
+            assert shard is not None, f"group {g} has no gradient in this window"
+            dist.all_reduce(shard, group=group)
+
+    def _groups_of(self, ids: Collection[int]) -> set[int]:
+        return {self._group_of[i] for i in ids if i in self._group_of}
 
     def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
         """Unscale/clip by ``multiplier``, step each sub-group, refresh persistent groups."""

@@ -20,12 +20,22 @@ trainable elements would fall into one or two ranks' shards, and those ranks alo
 hold the optimizer state. Inside a group parameters are ordered by optimizer param group,
 then module order: each optimizer group's parameters are then one contiguous run of the
 flat buffer and of every rank's shard, so one fused update covers them.
+
+[Note: parameter classes]
+Model parallelism asks more of a group than ZeRO does: every parameter in it must be
+treated alike by the steps that act on whole groups. A tied layer's copies on two
+pipeline stages must lie in groups of the same layout on both stages, so that their
+gradient shards can be summed element for element over the tie's group; and a
+parameter every tensor-parallel rank holds in full (a norm weight) is counted in the
+global gradient norm by one rank only, which is decided per group. The engine therefore
+gives ``plan_groups`` a class per parameter (``classes``), and a module's parameters of
+different classes form different groups, as trainable and frozen ones do.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -116,6 +126,7 @@ def plan_groups(
     *,
     persistence_threshold: int = 0,
     shard_params: bool = False,
+    classes: Mapping[int, Hashable] | None = None,
 ) -> list[GroupPlan]:
     """Split ``root``'s parameters into groups (see ``[Note: group plan]``).
 
@@ -123,7 +134,8 @@ def plan_groups(
     from it are frozen. ``shard_params`` (stage 3) makes wrapped groups non-persistent and
     moves parameters below ``persistence_threshold`` elements into a persistent group.
     Groups come in module order (root first, the persistent group last); every rank
-    computes the same plan from the same model.
+    computes the same plan from the same model. ``classes`` maps ``id(param)`` to a key;
+    parameters with different keys never share a group (see [Note: parameter classes]).
     """
     wrapped = wrapped_modules(root, policy)
     occurrences: dict[int, list[str]] = {}
@@ -157,9 +169,12 @@ def plan_groups(
         )
 
     def split(pids: list[int]) -> list[list[int]]:
-        """Trainable and frozen parameters apart (each shards evenly on its own)."""
-        parts = [[pid for pid in pids if pid in opt_group_of], [pid for pid in pids if pid not in opt_group_of]]
-        return [part for part in parts if part]
+        """Trainable and frozen parameters apart (each shards evenly on its own), and
+        parameters of different classes apart."""
+        parts: dict[tuple[bool, Hashable], list[int]] = {}
+        for pid in pids:
+            parts.setdefault((pid not in opt_group_of, (classes or {}).get(pid)), []).append(pid)
+        return [parts[k] for k in sorted(parts, key=lambda k: (k[0], str(k[1])))]
 
     groups = [plan(wrapped[n], n, part, not shard_params) for n, pids in members.items() for part in split(pids)]
     groups += [plan(root, "<persistent>", part, True) for part in split(small)]

@@ -1,0 +1,97 @@
+"""``pipeline`` and ``tensor_parallel``: DeepSpeed's model-parallel sections.
+
+Both are read as DeepSpeed reads them: loosely (keys of DeepSpeed's own inference or
+kernel-injection paths are ignored with a note, near-misspellings of the keys below are
+errors). The sizes they give must agree with the topology the model is trained on: the
+engine checks ``pipeline.stages`` against a ``PipelineModule``'s stages and the
+tensor-parallel size against the mpu's group.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from terascale.config.section import Section
+
+_PARTITIONS = ("best", "parameters", "uniform")
+
+
+class PipelineConfig(Section):
+    """``pipeline``: the settings of ``terascale.pipe.PipelineModule`` training.
+
+    ``stages`` ("auto": the PipelineModule's own) and ``partition`` ("best" =
+    "parameters", "uniform", or "type:REGEX") are DeepSpeed's; ``virtual_stages`` (model
+    chunks per rank for the interleaved 1F1B schedule) is terascale's.
+    ``pipe_partitioned``/``grad_partitioned`` (DeepSpeed: activations and gradients
+    between stages split across tensor-parallel ranks and re-gathered) are accepted.
+    """
+
+    stages: int | Literal["auto"] = "auto"
+    partition: str = "best"
+    seed_layers: bool = False
+    activation_checkpoint_interval: int = Field(0, ge=0)
+    pipe_partitioned: bool = True
+    grad_partitioned: bool = True
+    use_reentrant: bool = True
+    virtual_stages: int = Field(1, ge=1)
+
+    @field_validator("stages")
+    @classmethod
+    def _positive(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"must be >= 1 or 'auto', got {value}")
+        return value
+
+    @field_validator("partition")
+    @classmethod
+    def _partition(cls, value: str) -> str:
+        if value.lower() in _PARTITIONS:
+            return value.lower()
+        if value.startswith("type:"):
+            try:
+                re.compile(value[5:])
+            except re.error as e:
+                raise ValueError(f"'type:' must be followed by a regular expression: {e}") from None
+            return value
+        raise ValueError(f"expected one of {', '.join(_PARTITIONS)} or 'type:REGEX', got {value!r}")
+
+    @property
+    def partition_method(self) -> str:
+        """The ``PipelineModule`` partition method this names ("best" is "parameters")."""
+        return "parameters" if self.partition == "best" else self.partition
+
+
+class TPInnerConfig(Section):
+    """``tensor_parallel.tp`` (DeepSpeed's nested spelling)."""
+
+    tp_size: int = Field(1, ge=1)
+    tp_grain_size: int = Field(1, ge=1)
+
+
+class TensorParallelConfig(Section):
+    """``tensor_parallel``: the tensor-parallel size and automatic slicing.
+
+    ``autotp_size: N`` slices a Hugging Face model's attention and MLP projections over N
+    ranks inside ``terascale.initialize`` (``terascale.parallel.tensor.auto_tp``);
+    ``tp_size`` (or ``tp.tp_size``) only states the size of a model that is already
+    tensor-parallel (built from ``terascale.parallel.tensor`` layers with an mpu).
+    """
+
+    autotp_size: int = Field(0, ge=0)
+    tp_size: int = Field(1, ge=1)
+    tp: TPInnerConfig = Field(default_factory=TPInnerConfig)
+
+    @model_validator(mode="after")
+    def _one_size(self) -> TensorParallelConfig:
+        given = {k: v for k, v in (("autotp_size", self.autotp_size), ("tp_size", self.tp_size), ("tp.tp_size", self.tp.tp_size)) if v > 1}
+        if len(set(given.values())) > 1:
+            raise ValueError(f"tensor-parallel sizes disagree: {', '.join(f'{k}={v}' for k, v in given.items())}")
+        return self
+
+    @property
+    def size(self) -> int:
+        """The tensor-parallel size asked for (1: none)."""
+        return max(self.autotp_size, self.tp_size, self.tp.tp_size, 1)

@@ -1,0 +1,140 @@
+"""Checkpoint coordinates of this rank's state under tensor and pipeline parallelism.
+
+The model state describes its tensors in *local* coordinates: spans of the parameters
+this rank holds, shaped as it holds them. A checkpoint needs coordinates every layout
+shares ([Note: logical checkpoints]): the full parameter's name and shape. This module
+translates both ways:
+
+- a tensor-parallel slice is recorded under its full shape and its spans are moved to
+  the slice's place in the part-after-part order ([Note: sliced tensors in
+  checkpoints]); loading on another slicing reorders through the full tensor;
+- pipeline stages hold different parameters under names that do not depend on the
+  stage count, so each stage simply saves its own; only the owner of a tied layer
+  saves it ([Note: tied parameters across stages]);
+- buffers are saved by one rank per pipeline stage (data- and tensor-parallel rank 0).
+
+Every rank contributes its parameters' records to the manifest, which rank 0 merges.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from terascale.checkpoint.manifest import Manifest, parse_dtype
+from terascale.checkpoint.order import SliceOrder, part_of
+from terascale.checkpoint.reader import CheckpointReader
+from terascale.checkpoint.spans import MASTER, OPTIM, PARAM, ParamInfo, Slice, Span
+from terascale.comm import DistributedContext
+from terascale.engine.model_state import ModelState
+from terascale.engine.parallel import ParallelLayout, model_slices
+from terascale.parallel.slicing import TensorSlice
+
+
+class CheckpointLayout:
+    """This rank's local spans <-> checkpoint spans (see the module docstring)."""
+
+    def __init__(self, module: torch.nn.Module, state: ModelState, dist_ctx: DistributedContext, parallel: ParallelLayout) -> None:
+        self._local = state.checkpoint_params()
+        self._slices = {
+            n: TensorSlice(s.dim % len(self._local[n].shape), s.parts, s.index, s.fused)
+            for n, s in model_slices(module, dist_ctx).items()
+            if n in self._local
+        }
+        self._not_saved = {n for tie in parallel.ties if not tie.owner for n in tie.names}
+        self.saves_buffers = dist_ctx.dp_rank == 0 and dist_ctx.tp_rank == 0
+        self._dist = dist_ctx
+        self._full: dict[str, tuple[str, torch.Tensor]] = {}  # key -> (name, full tensor): the last one read
+
+    # -- what this rank records ----------------------------------------------------------------
+
+    def params(self) -> dict[str, ParamInfo]:
+        """This rank's parameters as the checkpoint records them: full shapes, slice orders."""
+        out = {}
+        for name, info in self._local.items():
+            s = self._slices.get(name)
+            if s is None:
+                out[name] = info
+                continue
+            shape = list(info.shape)
+            shape[s.dim] *= s.parts
+            out[name] = ParamInfo(tuple(shape), info.dtype, info.opt_group, SliceOrder.of(s.dim, s.parts, s.fused))
+        return out
+
+    def saved(self, chunk: list[Slice]) -> list[Slice]:
+        """``chunk``'s spans in checkpoint coordinates; a tied layer's copies but the
+        owner's are left out."""
+        out = []
+        for span, t in chunk:
+            if span.name in self._not_saved:
+                continue
+            out.append((self._moved(span, t), t))
+        return out
+
+    def _moved(self, span: Span, t: torch.Tensor) -> Span:
+        s = self._slices.get(span.name)
+        if s is None or t.dim() == 0:  # a 0-d optimizer value (a step count) is no element
+            return span
+        offset = s.index * self._local[span.name].numel
+        return Span(span.key, span.name, span.start + offset, span.end + offset)
+
+    def all_names(self, buffers: set[str]) -> set[str]:
+        """The parameter and buffer names of the whole model, ``buffers`` being this rank's:
+        every pipeline stage's (collective then)."""
+        names = set(self._local) | buffers
+        if self._dist.pp_world_size > 1:
+            everyone: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, sorted(names))
+            names = {n for ns in everyone for n in ns}
+        return names
+
+    # -- loading -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def read(self, reader: CheckpointReader, span: Span, out: torch.Tensor) -> None:
+        """Fill ``out`` with local span ``span`` from whatever layout saved it. A parameter
+        trainable in one run and frozen in the other is found under the other kind (master
+        vs param) and cast; optimizer state the saving run never created is zeroed."""
+        if not reader.has(span.key, span.name):
+            other = {MASTER: PARAM, PARAM: MASTER}.get(span.key)
+            if other is not None and reader.has(other, span.name):
+                span = Span(other, span.name, span.start, span.end)
+            elif span.key.startswith(OPTIM):
+                # The saving optimizer never stepped this parameter (no gradient at stage 0):
+                # its state is the fresh one. A 0-d value is shared by the parameters of one
+                # master, so it is left to those that have it.
+                if out.dim() > 0:
+                    out.zero_()
+                return
+        info = reader.manifest.params.get(span.name)
+        s = self._slices.get(span.name)
+        mine = None if s is None else SliceOrder.of(s.dim, s.parts, s.fused)
+        if info is None or out.dim() == 0 or info.order == mine:
+            reader.read_into(self._moved(span, out), out)
+            return
+        full = self._read_full(reader, span.key, span.name, info)
+        local = full if s is None else part_of(full, s.dim, s.parts, s.index, s.fused)
+        out.reshape(-1).copy_(local.reshape(-1)[span.start : span.end])
+
+    def _read_full(self, reader: CheckpointReader, key: str, name: str, info: ParamInfo) -> torch.Tensor:
+        cached = self._full.get(key)
+        if cached is not None and cached[0] == name:
+            return cached[1]
+        flat = reader.read(key, name, math.prod(info.shape), _stored_dtype(reader.manifest, key, info))
+        full = flat.view(info.shape) if info.order is None else info.order.to_full(flat, info.shape)
+        self._full[key] = (name, full)
+        return full
+
+    def done(self) -> None:
+        self._full.clear()
+
+
+def _stored_dtype(m: Manifest, key: str, info: ParamInfo) -> torch.dtype:
+    if key == MASTER:
+        return torch.float32
+    if key == PARAM:
+        return info.dtype
+    return parse_dtype(m.optim_keys[key]["dtype"])

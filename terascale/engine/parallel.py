@@ -1,0 +1,199 @@
+"""What the engine's step needs to know about model parallelism: who counts which gradient.
+
+[Note: gradient norm under model parallelism]
+With tensor and pipeline parallelism no rank holds the whole model. The global gradient
+norm (for clipping and for the fp16 overflow check) is the norm of every parameter of
+the model counted once, so each rank adds up the squares of the gradients it is the
+one to count, the model state sums those over the data-parallel group (shards) and the
+engine sums the result over the *replica group*, the ranks with this rank's
+data-parallel coordinate, which together hold one copy of everything:
+
+- a tensor-parallel slice (``terascale.parallel.slicing.sliced_parameters``, or a
+  Megatron layer's ``tensor_model_parallel`` parameter) is counted by the rank holding it;
+- a parameter every tensor-parallel rank holds in full (norm weights, a row-parallel
+  bias, replicated embeddings) has the same gradient on all of them and is counted by
+  tensor-parallel rank 0 only;
+- a tied layer's copies on several pipeline stages are summed first
+  ([Note: tied parameters across stages]) and counted by the owner stage only.
+
+Every rank then holds the same norm, so they all clip alike and agree on an overflow.
+Which parameters a rank counts is decided per ZeRO group ([Note: parameter classes]),
+which is why the classes below go to the model state's group plan.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from terascale.comm import DistributedContext, ModelParallelUnit
+from terascale.config import Config
+from terascale.engine.model_state import ModelState
+from terascale.optim.lamb import Lamb
+from terascale.parallel.topology import Topology
+from terascale.parallel.slicing import TensorSlice, join_slices, sliced_parameters
+from terascale.parallel.ties import Tie
+
+logger = logging.getLogger("terascale")
+
+TIED = "tied"
+# pipeline settings that are PipelineModule arguments (the module decides; the config may repeat them)
+_MODULE_KEYS = frozenset({"seed_layers", "activation_checkpoint_interval", "virtual_stages"})
+TP_REPLICATED = "tp-replicated"
+
+
+@runtime_checkable
+class HasTies(Protocol):
+    """A model with layers tied across pipeline stages (``terascale.pipe.PipelineModule``)."""
+
+    def ties(self) -> list[Tie]: ...
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """This rank's part in counting and summing gradients (see the note above).
+
+    ``skip``: ids of parameters whose gradient another rank counts; ``ties``: tied
+    layers whose copies' gradients are summed before the step; ``classes``: the ZeRO
+    group class of each parameter that needs one.
+    """
+
+    dist: DistributedContext
+    skip: frozenset[int] = frozenset()
+    ties: tuple[Tie, ...] = ()
+    classes: dict[int, Hashable] = field(default_factory=dict)
+
+    @staticmethod
+    def build(module: nn.Module, dist_ctx: DistributedContext) -> ParallelLayout:
+        ties = tuple(module.ties()) if isinstance(module, HasTies) else ()
+        classes: dict[int, Hashable] = {}
+        skip: set[int] = set()
+        if dist_ctx.mp_world_size > 1:
+            sliced = model_slices(module, dist_ctx)
+            for name, p in module.named_parameters():
+                if name not in sliced:
+                    classes[id(p)] = TP_REPLICATED
+                    if dist_ctx.tp_rank != 0:
+                        skip.add(id(p))
+        for tie in ties:
+            for p in tie.params:
+                classes[id(p)] = (TIED, tie.key)
+                if not tie.owner:
+                    skip.add(id(p))
+        return ParallelLayout(dist_ctx, frozenset(skip), ties, classes)
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+        """Refuse what would step tensor-parallel slices wrongly: LAMB's trust ratio is a
+        ratio of whole-parameter norms, which a slice does not have."""
+        if isinstance(optimizer, Lamb) and self.dist.mp_world_size > 1 and model_slices(module, self.dist):
+            raise ValueError(
+                "LAMB with tensor parallelism: its trust ratio needs each parameter's whole norm, and "
+                "tensor-parallel ranks hold slices; use Adam/AdamW/SGD with tensor parallelism, or LAMB "
+                "with data and pipeline parallelism only"
+            )
+
+    def sum_tied_grads(self, state: ModelState) -> None:
+        """Sum each tied layer's gradients over its copies (collective over each tie's group)."""
+        for tie in self.ties:
+            state.sum_grads(tie.params, tie.group)
+
+    def grad_norm(self, state: ModelState) -> torch.Tensor:
+        """The global L2 norm of the window's reduced gradients, every parameter counted
+        once (collective over the world); still loss-scaled."""
+        sq = state.grad_sq_norm(self.skip)
+        group = self.dist.replica_group
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(sq, group=group)
+        return sq.sqrt()
+
+
+def model_slices(module: nn.Module, dist_ctx: DistributedContext) -> dict[str, TensorSlice]:
+    """Every tensor-parallel slice of ``module`` by parameter name: terascale's layers'
+    (``sliced_parameters``), and those a user's own Megatron layers mark with
+    ``tensor_model_parallel``/``partition_dim`` (read, never set)."""
+    if dist_ctx.mp_world_size == 1:
+        return {}
+    out = {}
+    for name, p in module.named_parameters():
+        if getattr(p, "tensor_model_parallel", False):
+            out[name] = TensorSlice(int(getattr(p, "partition_dim", 0)), dist_ctx.mp_world_size, dist_ctx.tp_rank)
+    out.update(sliced_parameters(module))
+    return out
+
+
+def model_parallel_unit(model: nn.Module, config: Config, mpu: ModelParallelUnit | None) -> ModelParallelUnit | None:
+    """The mpu to train ``model`` with: the one passed, else a ``PipelineModule``'s
+    topology's, else a tensor-parallel topology when the config asks for one
+    (``tensor_parallel.autotp_size``/``tp_size``); None for plain data parallelism.
+
+    Collective when it builds a topology (every rank calls it alike)."""
+    topology = getattr(model, "topology", None)
+    if mpu is None and isinstance(topology, Topology):
+        return topology.mpu()
+    if mpu is None and config.tensor_parallel.size > 1:
+        return Topology(tp=config.tensor_parallel.size).mpu()
+    return mpu
+
+
+def check_layout(model: nn.Module, config: Config, dist_ctx: DistributedContext) -> None:
+    """The config's model-parallel sizes must be the ones the model is trained with."""
+    tp = config.tensor_parallel.size
+    if tp > 1 and dist_ctx.mp_world_size != tp:
+        raise ValueError(
+            f"tensor_parallel asks for tensor-parallel size {tp}, but the mpu's tensor-parallel group has "
+            f"{dist_ctx.mp_world_size} ranks; make them agree (or drop the key and let the mpu decide)"
+        )
+    pipeline = config.pipeline
+    given = {k: getattr(pipeline, k) for k in pipeline.model_fields_set & _MODULE_KEYS}
+    if isinstance(getattr(model, "topology", None), Topology):
+        for key, value in given.items():
+            if getattr(model, key) != value:
+                raise ValueError(
+                    f"pipeline.{key} is {value!r} in the config but the PipelineModule was built with "
+                    f"{key}={getattr(model, key)!r}: the module's arguments decide; make them agree or drop the key"
+                )
+    elif given:
+        logger.warning(
+            "config: %s: these pipeline settings apply to a terascale.pipe.PipelineModule; this model is "
+            "not one, so they are ignored (as DeepSpeed ignores them)", ", ".join(f"pipeline.{k}" for k in sorted(given))
+        )
+    stages = pipeline.stages
+    if stages != "auto" and stages != dist_ctx.pp_world_size:
+        where = "the PipelineModule has" if isinstance(getattr(model, "topology", None), Topology) else "the model runs on"
+        raise ValueError(
+            f"pipeline.stages is {stages} but {where} {dist_ctx.pp_world_size} pipeline stage(s); "
+            "pipeline parallelism needs a terascale.pipe.PipelineModule (its num_stages or topology "
+            'decides the stages): set pipeline.stages to "auto" or to that number'
+        )
+
+
+@torch.no_grad()
+def join_model_parallel(state: dict[str, torch.Tensor], module: nn.Module, dist_ctx: DistributedContext) -> dict[str, torch.Tensor]:
+    """The whole model's state dict from this rank's part of it (``state``: full over the
+    data-parallel ranks, CPU tensors): tensor-parallel slices joined over the
+    tensor-parallel group, every pipeline stage's entries merged. Collective over both
+    groups; every rank gets the result."""
+    slices = model_slices(module, dist_ctx)
+    if slices:
+        group = dist_ctx.mp_group
+        for name in [n for n in state if n in slices]:
+            s = slices[name]
+            local = state[name].to(dist_ctx.device)
+            parts = [torch.empty_like(local) for _ in range(s.parts)]
+            dist.all_gather(parts, local.contiguous(), group=group)
+            state[name] = join_slices([p.cpu() for p in parts], s.dim, s.fused)
+    if dist_ctx.pp_world_size > 1:
+        stages: list[Any] = [None] * dist_ctx.pp_world_size
+        dist.all_gather_object(stages, state, group=dist_ctx.pp_group)
+        merged: dict[str, torch.Tensor] = {}
+        for stage in stages:
+            for name, t in stage.items():
+                merged.setdefault(name, t)  # a tied layer's copies are equal: the first stage's
+        state = merged
+    return state
