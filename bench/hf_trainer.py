@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from step_time import run_interleaved  # the same torchrun jobs, interleaved and rotated
+from step_time import chosen_systems, run_interleaved  # the same torchrun jobs, interleaved and rotated
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("ddp", "terascale-0", "terascale-2", "terascale-3", "deepspeed-2", "deepspeed-3")
@@ -153,12 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(args)
         return
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(systems) - set(SYSTEMS))
-    if unknown:
-        raise SystemExit(f"unknown systems {unknown}; choose from {SYSTEMS}")
-    if args.steps <= args.warmup:
-        raise SystemExit("--steps must exceed --warmup")
+    systems = chosen_systems(args, SYSTEMS)
     if any(s.startswith("deepspeed") for s in systems) and not _peers_have_the_trainer(args.peers_python):
         print(f"DeepSpeed left out: {args.peers_python} lacks deepspeed/transformers/accelerate", file=sys.stderr)
         systems = [s for s in systems if not s.startswith("deepspeed")]

@@ -81,7 +81,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_time import run_job  # noqa: E402  (torchrun job from the right python, results back as JSON)
+from step_time import chosen_systems, run_job  # noqa: E402  (torchrun job from the right python, results back as JSON)
 
 ROOT = Path(__file__).resolve().parent.parent
 LR = 1e-3
@@ -961,12 +961,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(args)
         return
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(systems) - set(SYSTEMS))
-    if unknown:
-        raise SystemExit(f"unknown systems {unknown}; choose from {tuple(SYSTEMS)}")
-    if args.steps <= args.warmup:
-        raise SystemExit("--steps must exceed --warmup")
+    systems = chosen_systems(args, SYSTEMS)
     for name in systems:
         batch_shape(args, SYSTEMS[name])  # the global batch must split in every layout
     skipped = {s: why for s in systems if (why := _missing(SYSTEMS[s], args))}

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -304,17 +305,23 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def chosen_systems(args: argparse.Namespace, known: Iterable[str]) -> list[str]:
+    """``--systems`` as a list, checked against ``known``, and ``--steps`` against ``--warmup``."""
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = sorted(set(systems) - set(known))
+    if unknown:
+        raise SystemExit(f"unknown systems {unknown}; choose from {tuple(known)}")
+    if args.steps <= args.warmup:
+        raise SystemExit("--steps must exceed --warmup")
+    return systems
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:
         worker(args)
         return
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(systems) - set(SYSTEMS))
-    if unknown:
-        raise SystemExit(f"unknown systems {unknown}; choose from {SYSTEMS}")
-    if args.steps <= args.warmup:
-        raise SystemExit("--steps must exceed --warmup")
+    systems = chosen_systems(args, SYSTEMS)
     if any(s.startswith("deepspeed") for s in systems) and not Path(args.peers_python).exists():
         print(f"DeepSpeed left out: {args.peers_python} not found (see ../shared/BENCHMARKING.md)", file=sys.stderr)
         systems = [s for s in systems if not s.startswith("deepspeed")]

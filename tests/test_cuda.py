@@ -177,3 +177,33 @@ def test_tiled_linear_on_cuda_gathers_one_tile_at_a_time():
     for ratio in run_ranks(test_tiling._zero3_tiled_rank, 1):
         assert 0 < ratio <= 1.2, ratio
     run_ranks(test_tiling._tile_above_rank, 1, 3)
+
+
+def _gpus(n: int):
+    return pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} CUDA devices (one per rank, NCCL)")
+
+
+def test_pipeline_module_on_one_cuda_rank_matches_plain_pytorch():
+    # pp=1: the PipelineModule, train_batch's schedule and ZeRO-3 over one GPU against the
+    # plain model on the CPU (TF32 off, PyTorch's default for matmul).
+    import test_parallel3d as p3d
+
+    p3d._check(run_ranks(p3d._parity_rank, 1, [(1, 1, 3, 1)], timeout=400))
+
+
+@_gpus(2)
+def test_tensor_parallel_on_cuda_matches_plain_pytorch():
+    # NCCL all-reduces/all-gathers in the tensor-parallel layers, vocab-parallel loss, ZeRO 0-3.
+    import test_tensor_parallel_engine as tp
+
+    tp._check(run_ranks(tp._train_rank, 2, 2, tp.TP2_CASES, timeout=400))
+
+
+@_gpus(4)
+def test_pipeline_and_tensor_parallel_on_cuda_match_plain_pytorch(tmp_path):
+    # NCCL point-to-point between stages (batched sends/receives), tp-partitioned boundaries,
+    # and the checkpoint reshard across pp/tp/dp on GPUs.
+    import test_parallel3d as p3d
+
+    p3d._check(run_ranks(p3d._parity_rank, 4, [(2, 2, 0, 1), (2, 2, 1, 2), (2, 1, 3, 1)], timeout=400))
+    p3d._check([[r] for r in run_ranks(p3d._reshard_rank, 4, str(tmp_path / "ckpt"), timeout=400)])

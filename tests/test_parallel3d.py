@@ -34,7 +34,7 @@ def _micro_batches(ids: torch.Tensor, labels: torch.Tensor, step: int, dp: int, 
     return [(ids[step, r], labels[step, r]) for r in rows]
 
 
-def _engine(pp: int, tp: int, stage: int, seed: int = 1234, virtual: int = 1):
+def _engine(pp: int, tp: int, stage: int, seed: int = 1234, virtual: int = 1, checkpointed: bool = False):
     import terascale
     from terascale.parallel import Topology
     from terascale.pipe import PipelineModule
@@ -42,8 +42,12 @@ def _engine(pp: int, tp: int, stage: int, seed: int = 1234, virtual: int = 1):
     topo = Topology(pp=pp, tp=tp)
     group = topo.group("tp") if tp > 1 else None
     model = PipelineModule(layer_specs(group), topology=topo, loss_fn=TokenLoss(group), partition_method="uniform",
-                           seed_layers=True, base_seed=seed, virtual_stages=virtual)  # fmt: skip
-    engine, *_ = terascale.initialize(model=model, config=_config(stage, topo.size("dp")))
+                           seed_layers=True, base_seed=seed, virtual_stages=virtual,
+                           activation_checkpoint_interval=1 if checkpointed else 0)  # fmt: skip
+    config = _config(stage, topo.size("dp"))
+    if checkpointed:  # each tp rank keeps half of every checkpointed input, all-gathered for the recompute
+        config["activation_checkpointing"] = {"partition_activations": True}
+    engine, *_ = terascale.initialize(model=model, config=config)
     return engine, topo
 
 
@@ -65,11 +69,11 @@ def _parity_rank(layouts: list[tuple[int, int, int, int]]) -> list[dict]:
     out = []
     ids, labels = make_batches(3, ROWS)
     ref_losses, ref_state = _reference(3, ids, labels)
-    for pp, tp, stage, virtual in layouts:
-        engine, topo = _engine(pp, tp, stage, virtual=virtual)
+    for pp, tp, stage, virtual, *checkpointed in layouts:
+        engine, topo = _engine(pp, tp, stage, virtual=virtual, checkpointed=bool(checkpointed))
         dp, dp_rank = topo.size("dp"), topo.rank("dp")
         losses = [float(engine.train_batch(iter(_micro_batches(ids, labels, s, dp, dp_rank)))) for s in range(3)]
-        out.append({"layout": (pp, tp, stage, virtual), "losses": losses, "state": engine.full_state_dict(),
+        out.append({"layout": (pp, tp, stage, virtual, *checkpointed), "losses": losses, "state": engine.full_state_dict(),
                     "ref_losses": ref_losses, "ref_state": ref_state})  # fmt: skip
         engine.destroy()
     return out
@@ -88,7 +92,8 @@ def _check(results: list) -> None:
 def test_pp2_tp2_parity_with_plain_pytorch() -> None:
     # pp=2 x tp=2 (no data parallelism: ZeRO has one rank); interleaved; pp=2 x dp=2 x tp=1 is
     # tests/test_pipeline.py's, tp=2 x dp=2 tests/test_tensor_parallel_engine.py's.
-    _check(run_ranks(_parity_rank, 4, [(2, 2, 0, 1), (2, 2, 1, 2)], timeout=400))
+    # The last: ZeRO-3 inside each stage, activation checkpointing with partitioned inputs.
+    _check(run_ranks(_parity_rank, 4, [(2, 2, 0, 1), (2, 2, 1, 2), (2, 2, 3, 1, True)], timeout=400))
 
 
 def _reshard_rank(folder: str) -> dict:

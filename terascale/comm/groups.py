@@ -116,25 +116,8 @@ def init_distributed(
     backend = str(dist.get_backend())
     _release_the_gil_at_exit()
 
-    if mpu is None:
-        group = dist.group.WORLD
-        assert group is not None
-        return DistributedContext(
-            device=device,
-            backend=backend,
-            rank=dist.get_rank(),
-            world_size=dist.get_world_size(),
-            local_rank=local_rank,
-            dp_group=group,
-            dp_rank=dist.get_rank(group),
-            dp_world_size=dist.get_world_size(group),
-        )
-    dp_group = mpu.get_data_parallel_group()
-    # Newer Megatron calls tensor + pipeline together "model parallel" and names the
-    # tensor-parallel group separately; older mpus (and DeepSpeed's) only have the former.
-    tp = "get_tensor_model_parallel_" if hasattr(mpu, "get_tensor_model_parallel_group") else "get_model_parallel_"
-    mp_group = getattr(mpu, tp + "group")()
-    pp = _pipe_groups(mpu)
+    dp_group = dist.group.WORLD if mpu is None else mpu.get_data_parallel_group()
+    assert dp_group is not None
     ctx = DistributedContext(
         device=device,
         backend=backend,
@@ -144,6 +127,16 @@ def init_distributed(
         dp_group=dp_group,
         dp_rank=dist.get_rank(dp_group),
         dp_world_size=dist.get_world_size(dp_group),
+    )
+    if mpu is None:
+        return ctx
+    # Newer Megatron calls tensor + pipeline together "model parallel" and names the
+    # tensor-parallel group separately; older mpus (and DeepSpeed's) only have the former.
+    tp = "get_tensor_model_parallel_" if hasattr(mpu, "get_tensor_model_parallel_group") else "get_model_parallel_"
+    mp_group = getattr(mpu, tp + "group")()
+    pp = _pipe_groups(mpu)
+    ctx = dataclasses.replace(
+        ctx,
         mp_group=mp_group,
         mp_world_size=getattr(mpu, tp + "world_size")(),
         tp_rank=getattr(mpu, tp + "rank")() if hasattr(mpu, tp + "rank") else dist.get_rank(mp_group),

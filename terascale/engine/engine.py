@@ -117,7 +117,9 @@ class Engine(nn.Module):
         self._window_loss = torch.zeros((), device=dist_ctx.device)
         self._last_grad_norm: float | None = None
         self.timers = StepTimers(config.wall_clock_breakdown, dist_ctx.device)
-        self._monitors = build_monitors(config) if dist_ctx.dp_rank == 0 else []
+        # One rank reports: every tensor-parallel rank and pipeline stage sees the same loss.
+        self._reports = dist_ctx.dp_rank == 0 and dist_ctx.tp_rank == 0 and dist_ctx.pp_rank == 0
+        self._monitors = build_monitors(config) if self._reports else []
         self.training_dataloader = None  # set by initialize(); its sampler position is checkpointed
         self._checkpointer = Checkpointer(self)
         self._pipeline = pipeline_for(self)  # a PipelineModule's schedule runner, else None
@@ -243,8 +245,10 @@ class Engine(nn.Module):
 
     def pipeline_stats(self) -> dict[str, float]:
         """This stage's timing of the last train/eval batch: ``step_s`` (wall time of the
-        schedule), ``busy_s`` (forward and backward compute), ``bubble`` (1 - busy/step) and
-        ``ideal_bubble`` ((p - 1) / (v m + p - 1) for p stages, v chunks, m micro-batches)."""
+        schedule), ``busy_s`` (forward and backward compute), ``bubble`` (1 - busy/step),
+        ``ideal_bubble`` ((p - 1) / (v m + p - 1) for p stages, v chunks, m micro-batches),
+        ``micro_batches``, and ``sent_act_bytes`` / ``sent_grad_bytes`` (activations and
+        gradients this rank sent to its neighbour stages)."""
         return self._pipeline_or_error("pipeline_stats").stats()
 
     def _pipeline_or_error(self, what: str) -> Any:
@@ -353,7 +357,7 @@ class Engine(nn.Module):
                 events.append(("Train/Samples/loss_scale", self.loss_scale, self.global_samples))
             for m in self._monitors:
                 m.write(events)
-        if want_print and self.dist.dp_rank == 0:
+        if want_print and self._reports:
             msg = f"step={self.global_steps} skipped={self.skipped_steps} lr={self.get_lr()} loss={loss:.5f}"
             if self.config.fp16.enabled:
                 msg += f" loss_scale={self.loss_scale:g}"

@@ -231,6 +231,7 @@ class PipelineRunner:
                 op = Op.FORWARD if ins_.op is Op.RECV_ACT else Op.BACKWARD
                 run.inbox[Instr(op, ins_.mb, ins_.chunk)] = payload
             i = j
+        self.comm.finish_sends()
         busy = clock.total()
         if self.device.type != "cpu":
             torch.accelerator.synchronize(self.device)

@@ -25,7 +25,7 @@ matters.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -82,6 +82,9 @@ def _full_parameters(
     weight = torch.empty(in_features, out_features, dtype=dtype, device=device)
     nn.init.normal_(weight, std=0.02)
     return weight, (torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+
+
+_Layer = TypeVar("_Layer", bound="_ParallelLinear")
 
 
 class _ParallelLinear(SharesOnCopy):
@@ -151,6 +154,24 @@ class _ParallelLinear(SharesOnCopy):
             local = bias.detach().clone() if self._bias_slice is None else take_slice(bias.detach(), self._bias_slice)
             self.bias = nn.Parameter(local, requires_grad=bias.requires_grad)
 
+    @classmethod
+    def from_linear(cls: type[_Layer], linear: nn.Linear, group: ProcessGroup, **kwargs: Any) -> _Layer:
+        """This rank's slice of an existing ``nn.Linear`` (its weights, device, dtype);
+        ``kwargs`` are the constructor's keywords (``gather_output``, ``fused``, ...)."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
+                    dtype=linear.weight.dtype, device="meta", **kwargs)  # fmt: skip
+        layer._load_full(linear.weight, linear.bias)
+        return layer
+
+    @classmethod
+    def from_conv1d(cls: type[_Layer], conv: nn.Module, group: ProcessGroup, **kwargs: Any) -> _Layer:
+        """This rank's slice of a Hugging Face ``Conv1D`` (weight ``[in, out]``)."""
+        in_features, out_features = conv.weight.shape
+        layer = cls(in_features, out_features, conv.bias is not None, group=group, weight_layout="in_out",
+                    dtype=conv.weight.dtype, device="meta", **kwargs)  # fmt: skip
+        layer._load_full(conv.weight, conv.bias)
+        return layer
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -205,24 +226,6 @@ class ColumnParallelLinear(_ParallelLinear):
         y = self._matmul(x, self.bias)
         return gather_from_tensor_region(y, self.group) if self.gather_output else y
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group: ProcessGroup, **kwargs) -> ColumnParallelLinear:
-        """This rank's column slice of an existing ``nn.Linear`` (its weights, device, dtype);
-        ``kwargs`` are the constructor's keywords (``gather_output``, ``fused``, ...)."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
-                    dtype=linear.weight.dtype, device="meta", **kwargs)  # fmt: skip
-        layer._load_full(linear.weight, linear.bias)
-        return layer
-
-    @classmethod
-    def from_conv1d(cls, conv: nn.Module, group: ProcessGroup, **kwargs) -> ColumnParallelLinear:
-        """This rank's column slice of a Hugging Face ``Conv1D`` (weight ``[in, out]``)."""
-        in_features, out_features = conv.weight.shape
-        layer = cls(in_features, out_features, conv.bias is not None, group=group, weight_layout="in_out",
-                    dtype=conv.weight.dtype, device="meta", **kwargs)  # fmt: skip
-        layer._load_full(conv.weight, conv.bias)
-        return layer
-
 
 class RowParallelLinear(_ParallelLinear):
     """``y = x W^T + b`` with ``W``'s input features split over ``group``.
@@ -273,19 +276,3 @@ class RowParallelLinear(_ParallelLinear):
         bias = copy_to_tensor_region(self.bias, self.group) if self.sequence_parallel else self.bias
         return y + bias
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group: ProcessGroup, **kwargs) -> RowParallelLinear:
-        """This rank's row slice of an existing ``nn.Linear`` (its weights, device, dtype)."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
-                    dtype=linear.weight.dtype, device="meta", **kwargs)  # fmt: skip
-        layer._load_full(linear.weight, linear.bias)
-        return layer
-
-    @classmethod
-    def from_conv1d(cls, conv: nn.Module, group: ProcessGroup, **kwargs) -> RowParallelLinear:
-        """This rank's row slice of a Hugging Face ``Conv1D`` (weight ``[in, out]``)."""
-        in_features, out_features = conv.weight.shape
-        layer = cls(in_features, out_features, conv.bias is not None, group=group, weight_layout="in_out",
-                    dtype=conv.weight.dtype, device="meta", **kwargs)  # fmt: skip
-        layer._load_full(conv.weight, conv.bias)
-        return layer
