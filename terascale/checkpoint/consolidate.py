@@ -45,16 +45,11 @@ def _entries(m: Manifest, *, with_aliases: bool) -> list[tuple[str, str, str, Pa
     return out
 
 
-def _stored_dtype(key: str, info: ParamInfo) -> torch.dtype:
-    """Masters are fp32; frozen parameters and buffers keep the dtype the manifest records."""
-    return torch.float32 if key == MASTER else info.dtype
-
-
 def _tensors(
     reader: CheckpointReader, dtype: torch.dtype | None, *, with_aliases: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
     for out_name, key, name, info in _entries(reader.manifest, with_aliases=with_aliases):
-        t = reader.read(key, name, info.numel, _stored_dtype(key, info))
+        t = reader.read(key, name, info.numel, reader.manifest.stored_dtype(key, info))
         t = t.view(info.shape) if info.order is None else info.order.to_full(t, info.shape)
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
@@ -95,7 +90,7 @@ def write_consolidated(
         m = reader.manifest
         entries = []
         for out_name, key, _, info in _entries(m, with_aliases=with_aliases):
-            stored = _stored_dtype(key, info)
+            stored = m.stored_dtype(key, info)
             if dtype is not None and stored.is_floating_point:
                 stored = dtype
             entries.append(TensorEntry(out_name, stored, tuple(info.shape)))

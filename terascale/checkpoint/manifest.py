@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from terascale.checkpoint.order import SliceOrder
-from terascale.checkpoint.spans import ParamInfo, Span
+from terascale.checkpoint.spans import MASTER, OPTIM, ParamInfo, Span
 
 FORMAT = "terascale-checkpoint"
 VERSION = 2  # 2: parameters may record a slice order
@@ -71,6 +71,15 @@ class Manifest:
     rng: list[dict] = field(default_factory=list)  # one per saving rank
     config: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. a Hugging Face model config
+
+    def stored_dtype(self, key: str, info: ParamInfo) -> torch.dtype:
+        """The dtype tensor ``info`` is stored in under ``key``: masters fp32, optimizer state
+        as its key records, frozen parameters and buffers in their own dtype."""
+        if key == MASTER:
+            return torch.float32
+        if key.startswith(OPTIM):
+            return parse_dtype(self.optim_keys[key]["dtype"])
+        return info.dtype
 
     def to_json(self) -> str:
         def info(p: ParamInfo) -> dict:

@@ -24,13 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from terascale.checkpoint.manifest import Manifest, parse_dtype
 from terascale.checkpoint.order import SliceOrder, part_of
 from terascale.checkpoint.reader import CheckpointReader
 from terascale.checkpoint.spans import MASTER, OPTIM, PARAM, ParamInfo, Slice, Span
 from terascale.comm import DistributedContext
 from terascale.engine.model_state import ModelState
-from terascale.engine.parallel import ParallelLayout, model_slices
+from terascale.engine.parallel import ParallelLayout
 from terascale.parallel.slicing import TensorSlice
 
 
@@ -41,7 +40,7 @@ class CheckpointLayout:
         self._local = state.checkpoint_params()
         self._slices = {
             n: TensorSlice(s.dim % len(self._local[n].shape), s.parts, s.index, s.fused)
-            for n, s in model_slices(module, dist_ctx).items()
+            for n, s in parallel.slices.items()
             if n in self._local
         }
         self._not_saved = {n for tie in parallel.ties if not tie.owner for n in tie.names}
@@ -123,7 +122,7 @@ class CheckpointLayout:
         cached = self._full.get(key)
         if cached is not None and cached[0] == name:
             return cached[1]
-        flat = reader.read(key, name, math.prod(info.shape), _stored_dtype(reader.manifest, key, info))
+        flat = reader.read(key, name, math.prod(info.shape), reader.manifest.stored_dtype(key, info))
         full = flat.view(info.shape) if info.order is None else info.order.to_full(flat, info.shape)
         self._full[key] = (name, full)
         return full
@@ -131,10 +130,3 @@ class CheckpointLayout:
     def done(self) -> None:
         self._full.clear()
 
-
-def _stored_dtype(m: Manifest, key: str, info: ParamInfo) -> torch.dtype:
-    if key == MASTER:
-        return torch.float32
-    if key == PARAM:
-        return info.dtype
-    return parse_dtype(m.optim_keys[key]["dtype"])

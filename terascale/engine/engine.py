@@ -198,12 +198,19 @@ class Engine(nn.Module):
             self._pipeline.refuse_direct("engine.backward")
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
-        self.timers.start("backward")
         self._window_loss += loss.detach().float() * (1 if scale_wrt_gas else self.gradient_accumulation_steps)
-        self._state.prepare_backward(sync=self.is_gradient_accumulation_boundary())
         scale = self.loss_scaler.scale / (self.gradient_accumulation_steps if scale_wrt_gas else 1)
+        self._run_backward(
+            self.is_gradient_accumulation_boundary(), lambda: (loss.float() * scale).backward(retain_graph=retain_graph)
+        )
+
+    def _run_backward(self, sync: bool, run: Callable[[], None]) -> None:
+        """``run`` (one backward) inside the model state's bracket: ``sync`` on the window's
+        last backward, when the gradients are reduced over the data-parallel ranks."""
+        self.timers.start("backward")
+        self._state.prepare_backward(sync=sync)
         self.activations.before_backward()
-        (loss.float() * scale).backward(retain_graph=retain_graph)
+        run()
         self._state.post_backward()
         self._has_grads = True
         self.timers.stop("backward")
@@ -267,17 +274,14 @@ class Engine(nn.Module):
         that scaling. ``sync`` marks the last backward of the window on this stage: the
         model state reduces the gradients then (and ZeRO-2/3 after every backward).
         """
-        self.timers.start("backward")
-        self._state.prepare_backward(sync=sync)
-        self.activations.before_backward()
-        if grads is None:
-            (loss,) = tensors
-            (loss.float() * (self.loss_scaler.scale / self.gradient_accumulation_steps)).backward()
-        elif tensors:
-            torch.autograd.backward(list(tensors), list(grads))
-        self._state.post_backward()
-        self._has_grads = True
-        self.timers.stop("backward")
+        def run() -> None:
+            if grads is None:
+                (loss,) = tensors
+                (loss.float() * (self.loss_scaler.scale / self.gradient_accumulation_steps)).backward()
+            elif tensors:
+                torch.autograd.backward(list(tensors), list(grads))
+
+        self._run_backward(sync, run)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients accumulated so far in this window (``set_to_none`` is
@@ -451,7 +455,7 @@ class Engine(nn.Module):
         and every pipeline stage's entries included. Collective at ZeRO stages 1-3 and
         under model parallelism: call it on every rank.
         """
-        return join_model_parallel(untiled_state_dict(self.module, self._state.full_state_dict()), self.module, self.dist)
+        return join_model_parallel(untiled_state_dict(self.module, self._state.full_state_dict()), self._parallel)
 
     def save_16bit_model(self, save_dir: str | Path, save_filename: str = "pytorch_model.bin") -> bool:
         """Write the model's weights in the compute dtype to ``save_dir/save_filename`` (rank 0).
@@ -569,7 +573,7 @@ class Engine(nn.Module):
         else:
             built = build_optimizer(section.type, dict(section.params), groups)
         self._state.check_optimizer(built)
-        self._parallel.check_optimizer(built, self.module)
+        self._parallel.check_optimizer(built)
         return built
 
     def _build_scheduler(self, lr_scheduler: SchedulerArg) -> Any:

@@ -65,6 +65,7 @@ class ParallelLayout:
     """
 
     dist: DistributedContext
+    slices: dict[str, TensorSlice] = field(default_factory=dict)  # model_slices(), found once
     skip: frozenset[int] = frozenset()
     ties: tuple[Tie, ...] = ()
     classes: dict[int, Hashable] = field(default_factory=dict)
@@ -74,10 +75,10 @@ class ParallelLayout:
         ties = tuple(module.ties()) if isinstance(module, HasTies) else ()
         classes: dict[int, Hashable] = {}
         skip: set[int] = set()
+        slices = model_slices(module, dist_ctx)
         if dist_ctx.mp_world_size > 1:
-            sliced = model_slices(module, dist_ctx)
             for name, p in module.named_parameters():
-                if name not in sliced:
+                if name not in slices:
                     classes[id(p)] = TP_REPLICATED
                     if dist_ctx.tp_rank != 0:
                         skip.add(id(p))
@@ -86,12 +87,12 @@ class ParallelLayout:
                 classes[id(p)] = (TIED, tie.key)
                 if not tie.owner:
                     skip.add(id(p))
-        return ParallelLayout(dist_ctx, frozenset(skip), ties, classes)
+        return ParallelLayout(dist_ctx, slices, frozenset(skip), ties, classes)
 
-    def check_optimizer(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse what would step tensor-parallel slices wrongly: LAMB's trust ratio is a
         ratio of whole-parameter norms, which a slice does not have."""
-        if isinstance(optimizer, Lamb) and self.dist.mp_world_size > 1 and model_slices(module, self.dist):
+        if isinstance(optimizer, Lamb) and self.slices:
             raise ValueError(
                 "LAMB with tensor parallelism: its trust ratio needs each parameter's whole norm, and "
                 "tensor-parallel ranks hold slices; use Adam/AdamW/SGD with tensor parallelism, or LAMB "
@@ -174,12 +175,12 @@ def check_layout(model: nn.Module, config: Config, dist_ctx: DistributedContext)
 
 
 @torch.no_grad()
-def join_model_parallel(state: dict[str, torch.Tensor], module: nn.Module, dist_ctx: DistributedContext) -> dict[str, torch.Tensor]:
+def join_model_parallel(state: dict[str, torch.Tensor], layout: ParallelLayout) -> dict[str, torch.Tensor]:
     """The whole model's state dict from this rank's part of it (``state``: full over the
     data-parallel ranks, CPU tensors): tensor-parallel slices joined over the
     tensor-parallel group, every pipeline stage's entries merged. Collective over both
     groups; every rank gets the result."""
-    slices = model_slices(module, dist_ctx)
+    dist_ctx, slices = layout.dist, layout.slices
     if slices:
         group = dist_ctx.mp_group
         for name in [n for n in state if n in slices]:
