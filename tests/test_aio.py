@@ -59,7 +59,7 @@ def test_aligned_empty_is_aligned_and_sized():
 
 def test_missing_directory_and_missing_file_name_the_path(tmp_path):
     with AsyncIO() as aio:
-        with pytest.raises(AioError, match="does not exist; create it or change nvme_path"):
+        with pytest.raises(AioError, match="does not exist; create it or choose another directory"):
             aio.write(torch.zeros(4), tmp_path / "nope" / "swap.bin")
         with pytest.raises(AioError, match="no such file"):
             aio.read(torch.zeros(4), tmp_path / "absent.bin")

@@ -324,7 +324,7 @@ def test_other_deepspeed_top_level_keys_are_accepted() -> None:
         }
     )
     assert cfg.checkpoint.tag_validation == "FAIL"
-    assert cfg.elasticity == {"enabled": False, "max_train_batch_size": 100}
+    assert not cfg.elasticity.enabled and cfg.elasticity.max_train_batch_size == 100
     cfg.require_built()
 
 
@@ -568,7 +568,7 @@ def test_require_built_lists_everything_at_once() -> None:
             "zero_optimization": {"stage": 2, "zero_quantized_gradients": True},
             "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True},
             "flops_profiler": {"enabled": True},
-            "elasticity": {"enabled": True, "max_train_batch_size": 64},
+            "elasticity": {"enabled": True, "max_train_batch_size": 64, "micro_batch_sizes": [2, 4]},  # built
             "compression_training": {"sparse_pruning": {"shared_parameters": {"enabled": True}}},
             "sparse_gradients": True,
             "checkpoint": {"async": True, "use_node_local_storage": True},
@@ -579,7 +579,6 @@ def test_require_built_lists_everything_at_once() -> None:
         "zero_optimization.zero_quantized_gradients=true",
         "flops_profiler.enabled=true",
         "checkpoint.use_node_local_storage=true",
-        "elasticity.enabled=true",
         "compression_training.sparse_pruning.shared_parameters.enabled=true",
     ]
     assert all(p.endswith("is not built yet in this version of terascale") for p in problems)

@@ -13,11 +13,12 @@ instant of the swap; a reader that finds ``<tag>`` missing falls back to it.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
-from terascale.checkpoint.manifest import MANIFEST, CheckpointError
+from terascale.checkpoint.manifest import MANIFEST, CheckpointError, Manifest
 
 LATEST = "latest"
 
@@ -39,6 +40,37 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def copy_durably(source: Path, target: Path) -> None:
+    """Copy file ``source`` to ``target`` (in the kernel where it can) and flush it."""
+    shutil.copyfile(source, target)
+    with open(target, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def verify(folder: Path) -> str | None:
+    """None when checkpoint ``folder`` is complete: its manifest parses and every shard
+    file it lists is there with the size it records and a readable safetensors header;
+    otherwise what is wrong. (Values inside a file are not checksummed.)"""
+    try:
+        manifest = Manifest.read(folder)
+    except Exception as exc:  # noqa: BLE001 - any failure to read it makes it unusable
+        return f"its manifest cannot be read ({exc})"
+    for shard in manifest.files:
+        path = folder / shard.name
+        try:
+            size = path.stat().st_size
+            if size != shard.nbytes:
+                return f"'{path}' has {size} bytes, the manifest records {shard.nbytes}"
+            with open(path, "rb") as f:
+                header = int.from_bytes(f.read(8), "little")
+                if not 0 < header <= size - 8:
+                    return f"'{path}' has no valid safetensors header"
+                json.loads(f.read(header))
+        except (OSError, ValueError) as exc:
+            return f"'{path}' cannot be read ({exc})"
+    return None
 
 
 def validate_tag(tag: str) -> str:

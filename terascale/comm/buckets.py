@@ -31,6 +31,7 @@ sparse gradient is added into its dense slot and all-reduced like any other.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -89,6 +90,7 @@ class GradientBuckets:
         self._world = dist.get_world_size(group)
         self._policy = policy
         self._sync = True
+        self.blocked_s = 0.0  # waiting for all-reduces ([Note: straggler compute time])
         self.comm = CommStats()  # bytes this rank sends reducing gradients (for benchmarks)
         # Sparse parameters are reduced as rows in finish(), outside every bucket.
         self._sparse = [policy.sparse_gradients and n in policy.sparse_params for n in self._names]
@@ -282,7 +284,9 @@ class GradientBuckets:
     def _complete(self, bucket: _Bucket) -> None:
         assert bucket.launched
         if bucket.work is not None:
+            started = time.perf_counter()
             bucket.work.wait()
+            self.blocked_s += time.perf_counter() - started
             bucket.work = None
         if bucket.comm_buffer is not None:
             bucket.flat.copy_(bucket.comm_buffer)

@@ -35,6 +35,7 @@ from typing import Any
 from torch import nn
 
 from terascale.config.batch import resolve_batch_sizes
+from terascale.config.elasticity import elasticity_requested
 from terascale.config.errors import ConfigError
 from terascale.config.paths import MISSING as _MISSING
 from terascale.config.paths import get as _get
@@ -233,6 +234,12 @@ class _Resolution:
         """Derive the batch triplet's ``"auto"`` members from the others (DeepSpeed's rules)."""
         autos = [p for p in _TRIPLET if p in self.pending]
         if not autos:
+            return
+        if elasticity_requested(_get(self.out, "elasticity")):
+            # "auto" asks the system to decide, and with elasticity on it decides at start-up
+            # for the actual world size (Config.resolve_batch): leave the keys absent.
+            for path in autos:
+                self.fill(path, _MISSING, "decided by elasticity for the data-parallel world size")
             return
         known = {key: None if key in autos else _get(self.out, key) for key in _TRIPLET}
         known = {key: None if v is _MISSING else v for key, v in known.items()}

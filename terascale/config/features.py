@@ -235,7 +235,6 @@ FEATURES: tuple[Feature, ...] = (
         for section, description in (
             ("amp", "Apex AMP"),
             ("torch_autocast", "torch autocast mixed precision"),
-            ("elasticity", "elastic training"),
             ("autotuning", "autotuning"),
             ("compression_training", "compression training"),
             ("data_efficiency", "data efficiency (curriculum / data routing)"),

@@ -11,6 +11,7 @@ setting that asks for a feature this version does not provide.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -20,7 +21,9 @@ from pydantic import AliasChoices, Field, PrivateAttr, ValidationError, field_va
 from terascale.config.auto import AutoContext, Resolved, find_autos, resolve_autos, without
 from terascale.config.batch import BatchSizes, resolve_batch_sizes
 from terascale.config.compat import upgrade
+from terascale.config.elasticity import ElasticityConfig, resolve_elastic_batch
 from terascale.config.errors import ConfigError, from_validation_error, key_names, submodel
+from terascale.config.health import HealthConfig
 from terascale.config.parallel import PipelineConfig, TensorParallelConfig
 from terascale.config.section import TORCH_DTYPES, DtypeName, Section, normalize_dtype_name
 from terascale.config.source import read_source
@@ -172,6 +175,44 @@ class CheckpointConfig(Section):
     writer: LooseSection = None
     keep_last_n: int | None = Field(None, ge=1)
     async_save: bool = Field(False, alias="async")
+    # terascale's runs that save and resume by themselves ("Long runs" in the README):
+    # interval saves (always asynchronous) into save_dir, through local_dir when given;
+    # initialize() loads the newest complete checkpoint when auto_resume is on; SIGTERM
+    # saves before the process exits, within signal_deadline_s.
+    save_dir: str | None = None
+    interval_steps: int | None = Field(None, ge=1)
+    interval_seconds: float | None = Field(None, gt=0)
+    auto_resume: bool = False
+    local_dir: str | None = None
+    save_on_signal: bool = True
+    signal_deadline_s: float = Field(25.0, gt=0)
+
+    @model_validator(mode="after")
+    def _needs_save_dir(self) -> CheckpointConfig:
+        if self.save_dir is None:
+            asked = [
+                key
+                for key, value in (
+                    ("interval_steps", self.interval_steps),
+                    ("interval_seconds", self.interval_seconds),
+                    ("auto_resume", self.auto_resume or None),
+                    ("local_dir", self.local_dir),
+                )
+                if value is not None
+            ]
+            if asked:
+                raise ValueError(
+                    f"checkpoint.{asked[0]} needs checkpoint.save_dir: the directory the run saves to and resumes from"
+                )
+        for key in ("save_dir", "local_dir"):
+            if getattr(self, key) == "":
+                raise ValueError(f"checkpoint.{key} is empty; name a directory")
+        if self.local_dir is not None and Path(self.local_dir).resolve() == Path(str(self.save_dir)).resolve():
+            raise ValueError(
+                "checkpoint.local_dir is the same directory as checkpoint.save_dir; local_dir is a faster "
+                "node-local disk that saves go to first (remove it, or name another directory)"
+            )
+        return self
 
     @field_validator("tag_validation", mode="before")
     @classmethod
@@ -238,6 +279,7 @@ class Config(Section):
     csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 
+    health: HealthConfig = Field(default_factory=HealthConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     # Recognised so DeepSpeed configs load; their inner keys are not modelled, and
@@ -248,7 +290,7 @@ class Config(Section):
     timers: LooseSection = None
     amp: LooseSection = None
     torch_autocast: LooseSection = None
-    elasticity: LooseSection = None
+    elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig)
     autotuning: LooseSection = None
     compression_training: LooseSection = None
     data_efficiency: LooseSection = None
@@ -416,8 +458,20 @@ class Config(Section):
     def resolve_batch(self, world_size: int) -> BatchSizes:
         """The batch triplet for ``world_size`` data-parallel ranks (DeepSpeed's rules).
 
-        Raises ConfigError showing the arithmetic when the values disagree or don't divide.
+        An enabled ``elasticity`` section decides all three instead (see
+        ``terascale.config.elasticity``). Raises ConfigError showing the arithmetic when the
+        values disagree or don't divide, or naming the valid elastic world sizes.
         """
+        if self.elasticity.enabled:
+            return resolve_elastic_batch(
+                self.elasticity,
+                {
+                    "train_batch_size": self.train_batch_size,
+                    "train_micro_batch_size_per_gpu": self.train_micro_batch_size_per_gpu,
+                    "gradient_accumulation_steps": self.gradient_accumulation_steps,
+                },
+                world_size,
+            )
         return resolve_batch_sizes(
             self.train_batch_size,
             self.train_micro_batch_size_per_gpu,

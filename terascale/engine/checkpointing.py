@@ -17,16 +17,16 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from terascale.checkpoint.directory import CheckpointDirectory, validate_tag
-from terascale.checkpoint.manifest import CheckpointError, Manifest, dtype_name, parse_dtype
+from terascale.checkpoint.directory import CheckpointDirectory, copy_durably, validate_tag
+from terascale.checkpoint.manifest import MANIFEST, CheckpointError, Manifest, dtype_name, parse_dtype
 from terascale.checkpoint.reader import CheckpointReader
 from terascale.checkpoint.spans import BUFFER, OPTIM, OptimKey, ParamInfo, Slice, SliceMode, Span
 from terascale.checkpoint.writer import shard_file_name, snapshot, staging_pool, write_shard
@@ -53,6 +53,7 @@ class Checkpointer:
         self.engine = engine
         self._group: dist.ProcessGroup | None = None
         self._thread: threading.Thread | None = None
+        self._job: _SaveJob | None = None  # the background save in flight, if any
         self._error: BaseException | None = None
         self._aio: AsyncIO | None = None
         self._pool: BufferPool | None = None
@@ -77,7 +78,7 @@ class Checkpointer:
                 self._aio.close()
             self._aio = self._pool = None
 
-    def _coordination_group(self) -> dist.ProcessGroup:
+    def coordination_group(self) -> dist.ProcessGroup:
         # Created on the first save, which every rank makes: new_group is collective.
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
@@ -85,13 +86,24 @@ class Checkpointer:
 
     # -- saving --------------------------------------------------------------------------------
 
-    def save(self, save_dir: str | Path, tag: str | None, client_state: dict | None, save_latest: bool) -> str:
+    def save(
+        self,
+        save_dir: str | Path,
+        tag: str | None,
+        client_state: dict | None,
+        save_latest: bool,
+        *,
+        asynchronous: bool | None = None,
+        mirror_to: str | Path | None = None,
+    ) -> str:
         """Write a checkpoint of every rank's state to ``save_dir/<tag>``; returns the tag.
 
-        Collective. With ``checkpoint.async`` the call only captures what may change (see
-        ``[Note: asynchronous saves]``) and a background thread does the rest, collectives
-        included; the next optimizer step waits for it, and the next save, load or
-        ``wait()`` raises its error if it failed.
+        Collective. Asynchronous (``asynchronous``, default ``checkpoint.async``): the call
+        only captures what may change (see ``[Note: asynchronous saves]``) and a background
+        thread does the rest, collectives included; the next optimizer step waits for the
+        write, and the next save, load or ``wait()`` raises its error if it failed.
+        ``mirror_to``: once committed, the checkpoint is copied to that directory too
+        (``[Note: node-local checkpoints]``), in the background without holding training.
         """
         started = time.perf_counter()
         engine = self.engine
@@ -100,7 +112,7 @@ class Checkpointer:
         if not engine.is_gradient_accumulation_boundary() and engine.micro_steps % engine.gradient_accumulation_steps:
             logger.warning("saving checkpoint '%s' inside an accumulation window: its gradients are not saved", tag)
         rank, world = dist.get_rank(), dist.get_world_size()
-        group = self._coordination_group()
+        group = self.coordination_group()
         directory = CheckpointDirectory(save_dir)
         state, optimizer = engine._state, engine.optimizer
         layout = self.layout
@@ -117,8 +129,9 @@ class Checkpointer:
                            _buffer_infos(engine) if layout.saves_buffers else {}),
             manifest=self._manifest(tag) if rank == 0 else None,
             client_state=None if client is None else client.getvalue(),
+            mirror=None if mirror_to is None else CheckpointDirectory(mirror_to),
         )  # fmt: skip
-        if engine.config.checkpoint.async_save:
+        if engine.config.checkpoint.async_save if asynchronous is None else asynchronous:
             # [Note: asynchronous saves] Parameters, masters and optimizer state change
             # only in the optimizer step, which waits for the write (before_update), so
             # the background thread writes them from where they live, without a copy,
@@ -130,6 +143,7 @@ class Checkpointer:
             else:
                 chunks = [s for chunk in saving for s in chunk]
             job.chunks = [chunks + snapshot([buffers])]
+            self._job = job
             self._thread = threading.Thread(target=self._run_in_background, args=(job,), name="terascale-checkpoint")
             self._thread.start()
         else:
@@ -140,18 +154,18 @@ class Checkpointer:
 
     def before_update(self) -> None:
         """Called before the optimizer step changes the state: let a background write of
-        it finish first (its error, if any, is raised by the next save, load or wait)."""
-        if self._thread is not None:
+        it finish first (its error, if any, is raised by the next save, load or wait). A
+        copy to the mirror directory reads only the written files and goes on meanwhile."""
+        if self._thread is not None and self._job is not None and not self._job.written.is_set():
             started = time.perf_counter()
-            self._thread.join()
-            self._thread = None
+            self._job.written.wait()
             self.last_stall_s += time.perf_counter() - started
 
     def wait(self) -> None:
         """Wait for an asynchronous save in flight; raise its error if it failed."""
         if self._thread is not None:
             self._thread.join()
-            self._thread = None
+            self._thread = self._job = None
         if self._error is not None:
             error, self._error = self._error, None
             raise CheckpointError(f"the asynchronous checkpoint save failed: {error}") from error
@@ -161,6 +175,8 @@ class Checkpointer:
             self._run(job)
         except BaseException as exc:  # surfaces on the next save/load/wait
             self._error = exc
+        finally:
+            job.written.set()  # a failed write releases the optimizer step too
 
     def _run(self, job: _SaveJob) -> None:
         """The save protocol of ``[Note: atomic checkpoints]``: agree on the tag, rank 0
@@ -188,29 +204,79 @@ class Checkpointer:
         dist.gather_object((shard, info, error), gathered if info.rank == 0 else None, dst=0, group=group)
         result = None
         if info.rank == 0:
-            errors = [e for _, _, e in gathered if e]
-            if errors:
-                result = "; ".join(errors)
-            else:
-                try:
-                    manifest = job.manifest
-                    assert manifest is not None
-                    manifest.files = [s for s, _, _ in gathered]
-                    for _, i, _ in gathered:  # every pipeline stage's parameters and buffers
-                        manifest.params.update(i.params)
-                        manifest.aliases.update(i.aliases)
-                        manifest.buffers.update(i.buffers)
-                    manifest.rng = [i.rng for _, i, _ in gathered]
-                    manifest.optim_keys = {k: v for _, i, _ in gathered for k, v in i.optim_keys.items()}
-                    directory.commit(tag, manifest.to_json(), save_latest=job.save_latest)
-                    keep = self.engine.config.checkpoint.keep_last_n
-                    if keep:
-                        directory.prune(keep, protect=tag)
-                except Exception as exc:
-                    result = f"committing '{directory.root / tag}': {exc}"
-            if result is not None:
-                directory.abort(tag)
+
+            def manifest_json() -> str:
+                manifest = job.manifest
+                assert manifest is not None
+                manifest.files = [s for s, _, _ in gathered]
+                for _, i, _ in gathered:  # every pipeline stage's parameters and buffers
+                    manifest.params.update(i.params)
+                    manifest.aliases.update(i.aliases)
+                    manifest.buffers.update(i.buffers)
+                manifest.rng = [i.rng for _, i, _ in gathered]
+                manifest.optim_keys = {k: v for _, i, _ in gathered for k, v in i.optim_keys.items()}
+                return manifest.to_json()
+
+            errors = "; ".join(e for _, _, e in gathered if e) or None
+            result = self._commit_or_abort(directory, tag, errors, manifest_json, job.save_latest)
         _raise_if_any(result, group, f"saving checkpoint '{tag}' failed; earlier checkpoints are untouched")
+        job.written.set()
+        if job.mirror is not None:
+            self._mirror(job, path.name)
+
+    def _commit_or_abort(
+        self, directory: CheckpointDirectory, tag: str, error: str | None, manifest_json: Callable[[], str], save_latest: bool
+    ) -> str | None:
+        """(Rank 0, once every rank reported) commit ``tag`` in ``directory`` with the
+        manifest ``manifest_json()`` unless a rank failed (``error``); on any failure remove
+        the staging folder. Returns the error, if any."""
+        if error is None:
+            try:
+                directory.commit(tag, manifest_json(), save_latest=save_latest)
+                self._prune(directory, tag)
+            except Exception as exc:
+                error = f"committing '{directory.root / tag}': {exc}"
+        if error is not None:
+            directory.abort(tag)
+        return error
+
+    def _prune(self, directory: CheckpointDirectory, tag: str) -> None:
+        keep = self.engine.config.checkpoint.keep_last_n
+        if keep:
+            directory.prune(keep, protect=tag)
+
+    def _mirror(self, job: _SaveJob, file_name: str) -> None:
+        """Copy committed checkpoint ``job.tag`` to ``job.mirror`` with the same atomic
+        protocol: each rank copies its own file, rank 0 commits the manifest last.
+
+        [Note: node-local checkpoints] With ``checkpoint.local_dir`` the interval saves
+        are written to a fast node-local disk (the optimizer step waits only for that) and
+        then copied here to the shared ``save_dir``, file by file, by the ranks that wrote
+        them. A node lost takes its local copies with it, so resuming looks at both
+        directories and loads the newest checkpoint that every rank can read completely
+        (``terascale.checkpoint.directory.newest_complete``).
+        """
+        tag, source, mirror, group, rank = job.tag, job.directory.root / job.tag, job.mirror, job.group, job.info.rank
+        assert mirror is not None
+        error = None
+        if rank == 0:
+            try:
+                mirror.prepare(tag)
+                if (source / CLIENT_STATE).exists():
+                    copy_durably(source / CLIENT_STATE, mirror.staging(tag) / CLIENT_STATE)
+            except OSError as exc:
+                error = f"cannot create '{mirror.staging(tag)}': {exc}"
+        _raise_if_any(error, group, f"copying checkpoint '{tag}' to '{mirror.root}' failed")
+        try:
+            copy_durably(source / file_name, mirror.staging(tag) / file_name)
+        except OSError as exc:
+            error = f"rank {rank} copying '{source / file_name}' to '{mirror.staging(tag)}': {exc}"
+        errors: list[Any] = [None] * job.info.world
+        dist.all_gather_object(errors, error, group=group)
+        result = "; ".join(e for e in errors if e) or None
+        if rank == 0:
+            result = self._commit_or_abort(mirror, tag, result, (source / MANIFEST).read_text, job.save_latest)
+        _raise_if_any(result, group, f"copying checkpoint '{tag}' to '{mirror.root}' failed; its local copy is intact")
 
     def _validate_tag(self, tag: str, group: dist.ProcessGroup) -> None:
         mode = self.engine.config.checkpoint.tag_validation
@@ -254,10 +320,12 @@ class Checkpointer:
         load_optimizer_states: bool,
         load_lr_scheduler_states: bool,
         load_module_only: bool,
+        data_position: bool = True,
     ) -> tuple[str | None, Any]:
         """Load checkpoint ``load_dir/<tag>`` (default: ``latest``) on this engine's layout.
 
-        Each rank reads just the spans it holds. Returns ``(path, client_state)``, or
+        Each rank reads just the spans it holds; ``data_position=False`` leaves the data
+        loader's position as it is (a rollback past bad data). Returns ``(path, client_state)``, or
         ``(None, None)`` with a warning when ``load_dir`` has no ``latest`` and no tag
         was given (as DeepSpeed does, so a script can always try to resume).
         """
@@ -285,7 +353,8 @@ class Checkpointer:
             for name, b in buffers.items():
                 reader.read_into(Span(BUFFER, name, 0, b.numel()), b.data)
         if not load_module_only:
-            _restore_engine(engine, m.engine, optimizer=with_optim, scheduler=load_lr_scheduler_states)
+            _restore_engine(engine, m.engine, optimizer=with_optim, scheduler=load_lr_scheduler_states,
+                            data_position=data_position)  # fmt: skip
             rank = dist.get_rank()
             if rank < len(m.rng):
                 _set_rng_state(m.rng[rank])
@@ -306,7 +375,9 @@ class _SaveJob:
     info: _RankInfo
     manifest: Manifest | None
     client_state: bytes | None
+    mirror: CheckpointDirectory | None = None  # copied there once committed
     chunks: Any = None  # the values: resident chunks (sync) or one list (async)
+    written: threading.Event = field(default_factory=threading.Event)  # committed (or failed)
 
 
 class _RankInfo:
@@ -416,7 +487,7 @@ def _engine_state(engine: Engine) -> dict[str, Any]:
     }
 
 
-def _restore_engine(engine: Engine, state: dict[str, Any], *, optimizer: bool, scheduler: bool) -> None:
+def _restore_engine(engine: Engine, state: dict[str, Any], *, optimizer: bool, scheduler: bool, data_position: bool) -> None:
     engine.global_steps = int(state["global_steps"])
     # Checkpoints are taken at accumulation boundaries; the resumed job may accumulate
     # over another number of micro-batches (same global batch on fewer ranks), so its
@@ -432,7 +503,7 @@ def _restore_engine(engine: Engine, state: dict[str, Any], *, optimizer: bool, s
     if scheduler and state.get("lr_scheduler") is not None and hasattr(engine.lr_scheduler, "load_state_dict"):
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     sampler = getattr(getattr(engine, "training_dataloader", None), "sampler", None)
-    if state.get("sampler") is not None and hasattr(sampler, "load_state_dict"):
+    if data_position and state.get("sampler") is not None and hasattr(sampler, "load_state_dict"):
         sampler.load_state_dict(state["sampler"])
 
 

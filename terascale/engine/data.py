@@ -43,10 +43,27 @@ class ResumableSampler(DistributedSampler):
         return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "num_replicas": self.num_replicas}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume at ``state``'s position. Across a change of world size the position
-        carries over as the same number of samples per rank (the shuffle differs)."""
+        """Resume at ``state``'s position, on any number of replicas.
+
+        [Note: elastic data position] Rank r of W takes every W-th index of one
+        permutation of the dataset (seeded by seed + epoch, the same for every W), so after
+        k indices per rank the ranks together consumed exactly the first k * W of it. The
+        position is carried as that global count: on W' replicas each rank resumes at
+        k * W / W', and no sample of the epoch is seen twice or skipped. The count is a
+        whole number per rank when the checkpoint was taken at an optimizer step and the
+        global batch is the same on both world sizes (elasticity keeps it so).
+        """
         self.epoch = int(state["epoch"])
-        self._resume_at = int(state["consumed"]) if int(state["consumed"]) < self.num_samples else 0
+        consumed = int(state["consumed"]) * int(state.get("num_replicas", self.num_replicas))
+        if consumed % self.num_replicas:
+            raise ValueError(
+                f"the checkpoint's data position ({consumed} samples of epoch {self.epoch} over "
+                f"{state.get('num_replicas')} ranks) does not split evenly over {self.num_replicas} ranks; "
+                "resume with a world size that divides it (the global batch must stay the same)"
+            )
+        per_rank = consumed // self.num_replicas
+        # A finished epoch stays finished: the next pass yields nothing and the loop moves on.
+        self._resume_at = min(per_rank, self.num_samples)
         self.consumed = self._resume_at
 
 

@@ -29,6 +29,7 @@ from terascale.engine.monitor import StepTimers, build_monitors
 from terascale.engine.parallel import ParallelLayout, join_model_parallel
 from terascale.engine.pipeline import pipeline_for
 from terascale.engine.precision import PrecisionPolicy
+from terascale.engine.resilience import Resilience
 from terascale.offload.policy import unpinned_keys
 from terascale.optim import build_optimizer, build_scheduler
 from terascale.zero import WrapPolicy
@@ -123,6 +124,7 @@ class Engine(nn.Module):
         self.training_dataloader = None  # set by initialize(); its sampler position is checkpointed
         self._checkpointer = Checkpointer(self)
         self._pipeline = pipeline_for(self)  # a PipelineModule's schedule runner, else None
+        self._resilience = Resilience(self)  # interval/signal saves, resume, health monitors
 
     # -- properties a training script reads ------------------------------------------------
 
@@ -182,7 +184,7 @@ class Engine(nn.Module):
             self._pipeline.refuse_direct("engine.forward")
         self.timers.start("forward")
         args, kwargs = _to_device((args, kwargs), self.device, self._input_cast_dtype())
-        with self.activations.forward_context():
+        with self.activations.forward_context(), self._resilience.phase("forward"):
             out = self.module(*args, **kwargs)
         self.timers.stop("forward")
         return out
@@ -210,7 +212,8 @@ class Engine(nn.Module):
         self.timers.start("backward")
         self._state.prepare_backward(sync=sync)
         self.activations.before_backward()
-        run()
+        with self._resilience.phase("backward"):
+            run()
         self._state.post_backward()
         self._has_grads = True
         self.timers.stop("backward")
@@ -219,15 +222,20 @@ class Engine(nn.Module):
         """Count a micro-step; at an accumulation boundary, update the parameters."""
         if self._pipeline is not None:
             self._pipeline.refuse_direct("engine.step")
-        if self.is_gradient_accumulation_boundary():
-            self.timers.start("step")
-            self._optimizer_step()
-            self.timers.stop("step")
-            self.global_steps += 1
-            self.global_samples += self.train_batch_size
-            self._report()
-            self.activations.log_profile(self.global_steps)
+        if not self.is_gradient_accumulation_boundary():
+            self.micro_steps += 1
+            return
+        self.timers.start("step")
+        kept = self._optimizer_step()
+        self.timers.stop("step")
+        if not kept:  # rolled back: the checkpoint's counters stand
+            return
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size
+        self._report()
+        self.activations.log_profile(self.global_steps)
         self.micro_steps += 1
+        self._resilience.after_step()
 
     # -- pipeline parallelism (a terascale.pipe.PipelineModule; see terascale.engine.pipeline) --
 
@@ -309,25 +317,37 @@ class Engine(nn.Module):
             self._parallel.sum_tied_grads(self._state)
             self._ties_summed = True
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self) -> bool:
+        """Update from this window's gradients (or skip); False when it rolled back to a
+        checkpoint instead (``health.non_finite.policy`` rollback)."""
         self._checkpointer.before_update()  # an asynchronous save may still read the state
+        self._resilience.mark("step")
         scale = self.loss_scaler.scale
         norm = None
         clip = self.config.gradient_clipping
-        if clip > 0 or self.config.fp16.enabled or self._window_norm is not None:
+        checks = self._resilience.checks_non_finite
+        if clip > 0 or self.config.fp16.enabled or self._window_norm is not None or checks:
             norm = self.window_grad_norm()
         overflow = False
         if self.config.fp16.enabled:
             # The norm is global (every rank holds the same one), so this agrees everywhere.
             overflow = all_reduce_flag(~torch.isfinite(norm), self.dp_group, self.device)
             self.loss_scaler.update(overflow)
-        if overflow:
+        verdict = self._resilience.check_finite(norm) if checks and not overflow else "ok"
+        if verdict == "rollback":
+            self._state.zero_grad()
+            self._has_grads, self._window_norm, self._ties_summed = False, None, False
+            self._window_loss.zero_()
+            self._resilience.rollback()
+            return False
+        if overflow or verdict == "skip":
             self.skipped_steps += 1
             self._step_applied = False
-            logger.info(
-                "fp16 overflow at step %d: step skipped, loss scale %g -> %g",
-                self.global_steps, scale, self.loss_scaler.scale,
-            )
+            if overflow:
+                logger.info(
+                    "fp16 overflow at step %d: step skipped, loss scale %g -> %g",
+                    self.global_steps, scale, self.loss_scaler.scale,
+                )
         else:
             self._sum_tied_grads()
             # Unscaling and clipping are one multiplication of the gradients.
@@ -343,6 +363,7 @@ class Engine(nn.Module):
         self._has_grads = False
         self._window_norm = None
         self._ties_summed = False
+        return True
 
     def _report(self) -> None:
         every = self.config.steps_per_print
@@ -391,6 +412,7 @@ class Engine(nn.Module):
         at once and the files are written in the background; the next optimizer step waits
         for the write (see :meth:`wait_for_checkpoint`).
         """
+        self._resilience.mark("save")
         return self._checkpointer.save(save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(
@@ -411,6 +433,7 @@ class Engine(nn.Module):
         parameters and buffers (optimizer, scheduler, counters, RNG and data position are
         left as they are).
         """
+        self._resilience.mark("load")
         return self._checkpointer.load(
             load_dir,
             tag,
@@ -544,6 +567,7 @@ class Engine(nn.Module):
         """Finish a checkpoint save in flight, remove hooks and close monitors (the engine
         is unusable afterwards)."""
         self._checkpointer.close()
+        self._resilience.close()
         self._state.remove_hooks()
         self.activations.close()
         for m in self._monitors:

@@ -84,4 +84,6 @@ def initialize(
             drop_last=bool(getattr(cfg, "dataloader_drop_last", False)),
         )
     engine.training_dataloader = loader
+    # After the loader exists: resuming restores its position too.
+    engine._resilience.auto_resume()
     return engine, engine.optimizer, loader, engine.lr_scheduler

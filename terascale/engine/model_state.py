@@ -74,6 +74,8 @@ class ModelState(Protocol):
 
     def offload_io(self) -> dict[str, int]: ...
 
+    def comm_wait_s(self) -> float: ...
+
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None: ...
 
     def checkpoint_params(self) -> dict[str, ParamInfo]: ...
@@ -142,6 +144,10 @@ class ReplicatedState:
 
     def post_backward(self) -> None:
         pass  # the buckets finish at the step: an accumulation window may span backwards
+
+    def comm_wait_s(self) -> float:
+        """Seconds this rank has spent blocked waiting for gradient all-reduces."""
+        return self._buckets.blocked_s
 
     def grad_sq_norm(self, skip: Collection[int] = frozenset()) -> torch.Tensor:
         self._finish()

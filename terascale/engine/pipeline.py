@@ -134,7 +134,7 @@ class EnginePipeline:
         engine = self.engine
         engine.timers.start("forward")
         inputs = _to_device(inputs, engine.device, engine._input_cast_dtype())
-        with engine.activations.forward_context():
+        with engine.activations.forward_context(), engine._resilience.phase("forward"):
             out = engine.module(inputs, chunk=chunk)
         engine.timers.stop("forward")
         return out

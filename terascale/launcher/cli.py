@@ -11,24 +11,19 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from terascale.launcher.runner import LaunchOptions
 
 __all__ = ["build_parser", "main"]
 
 _Handler = Callable[[argparse.Namespace], int]
 
 
-def _add_run(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "run",
-        allow_abbrev=False,
-        help="launch a training script on one or many machines (torchrun underneath)",
-        description=(
-            "Launch SCRIPT with torch.distributed.run. One machine: "
-            "`terascale run --nproc 2 train.py`. Many: either run `terascale run --nnodes N "
-            "--node_rank R --master_addr A ...` on every machine, or give a DeepSpeed-style "
-            "--hostfile and terascale starts one agent per host over ssh."
-        ),
-    )
+def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
+    """Where ranks run: --nproc, --nnodes, --node_rank, --master_addr/--master_port,
+    --rdzv_id, --hostfile, --include/--exclude (shared by `run` and `check`)."""
     p.add_argument(
         "--nproc", "--nproc_per_node", "--nproc-per-node", "--num_gpus", "--num_accelerators",
         dest="nproc", type=int, default=None, metavar="N",
@@ -48,12 +43,50 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
                    help="rendezvous port (default: 29500, or a free port for a standalone run)")
     p.add_argument("--rdzv_id", "--rdzv-id", dest="rdzv_id", default=None, metavar="ID",
                    help="rendezvous id shared by all nodes of one job")
+    p.add_argument("--rdzv_conf", "--rdzv-conf", dest="rdzv_conf", default=None, metavar="K=V,...",
+                   help="torchrun's rendezvous settings, e.g. 'last_call_timeout=5,join_timeout=900' "
+                   "(how long an elastic job waits for more nodes before it goes on with fewer)")
     p.add_argument("-H", "--hostfile", default=None, metavar="FILE",
                    help="DeepSpeed-format hostfile ('HOST slots=N' lines); start one agent per host over ssh")
     p.add_argument("-i", "--include", default="", metavar="SPEC",
                    help="use only these hosts/slots, e.g. 'worker-0@worker-1:0,2'")
     p.add_argument("-e", "--exclude", default="", metavar="SPEC",
                    help="use everything but these hosts/slots, e.g. 'worker-1:0'")
+
+
+def _launch_options(args: argparse.Namespace, script: str, script_args: Sequence[str] = (), *,
+                    module: bool = False, max_restarts: int = 0) -> LaunchOptions:
+    """The :class:`LaunchOptions` of the arguments :func:`_add_launch_arguments` added."""
+    from terascale.launcher.runner import LaunchOptions
+
+    return LaunchOptions(
+        script=script,
+        script_args=tuple(script_args),
+        nproc=args.nproc,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        rdzv_id=args.rdzv_id,
+        rdzv_conf=args.rdzv_conf,
+        max_restarts=max_restarts,
+        module=module,
+    )
+
+
+def _add_run(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "run",
+        allow_abbrev=False,
+        help="launch a training script on one or many machines (torchrun underneath)",
+        description=(
+            "Launch SCRIPT with torch.distributed.run. One machine: "
+            "`terascale run --nproc 2 train.py`. Many: either run `terascale run --nnodes N "
+            "--node_rank R --master_addr A ...` on every machine, or give a DeepSpeed-style "
+            "--hostfile and terascale starts one agent per host over ssh."
+        ),
+    )
+    _add_launch_arguments(p)
     p.add_argument("--max_restarts", "--max-restarts", dest="max_restarts", type=int, default=0, metavar="K",
                    help="restart the workers up to K times after a failure (default: 0)")
     p.add_argument("-m", "--module", action="store_true",
@@ -64,20 +97,9 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from terascale.launcher.runner import LaunchOptions, launch
+    from terascale.launcher.runner import launch
 
-    opts = LaunchOptions(
-        script=args.script,
-        script_args=tuple(args.script_args),
-        nproc=args.nproc,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-        rdzv_id=args.rdzv_id,
-        max_restarts=args.max_restarts,
-        module=args.module,
-    )
+    opts = _launch_options(args, args.script, args.script_args, module=args.module, max_restarts=args.max_restarts)
     return launch(opts, hostfile=args.hostfile, include=args.include, exclude=args.exclude)
 
 
@@ -188,6 +210,78 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_elastic_config(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "elastic-config",
+        help="the global batch size and valid world sizes of a config's elasticity section",
+        description="Compute what an enabled `elasticity` section decides, as DeepSpeed does: the "
+        "global batch size (fixed whatever the world size), the data-parallel world sizes it splits "
+        "over exactly (and, for version 0.2, the node counts), and with --world N the micro batch "
+        "and gradient accumulation steps used on N ranks.",
+    )
+    p.add_argument("config", help="the config file (JSON or hjson)")
+    p.add_argument("--world", type=int, default=None, metavar="N",
+                   help="data-parallel world size (GPUs / model_parallel_size): print its micro batch × "
+                   "accumulation steps")
+    p.set_defaults(handler=_elastic_config)
+
+
+def _elastic_config(args: argparse.Namespace) -> int:
+    from terascale.config import Config
+    from terascale.config.elasticity import BATCH_KEYS, check_batch_keys, format_plan, plan_elastic
+
+    cfg = Config.load(args.config)
+    plan = plan_elastic(cfg.elasticity)
+    check_batch_keys(cfg.elasticity, {key: getattr(cfg, key) for key in BATCH_KEYS})
+    print(format_plan(plan, args.world))
+    return 0
+
+
+def _add_check(subparsers: argparse._SubParsersAction) -> None:
+    from terascale.health.verdict import CheckOptions  # no torch: pure options and verdict
+
+    p = subparsers.add_parser(
+        "check",
+        allow_abbrev=False,
+        help="pre-flight health check of every rank: compute, memory, disk, collectives",
+        description="Run a short measurement on every rank, started as `terascale run` starts "
+        "a script: matmul TFLOP/s (fp32, bf16), memory bandwidth, host<->device copies (CUDA), "
+        "NVMe write/read through terascale's I/O engine, and all-reduce / all-gather / "
+        "reduce-scatter bus bandwidth over the world, node-local and cross-node groups. Rank 0 "
+        "prints one row per rank and names every rank below --tolerance x the median. Exit "
+        "code 0: healthy; 1: a measurement failed or a rank is an outlier; 2: bad arguments.",
+    )
+    _add_launch_arguments(p)
+    CheckOptions.add_arguments(p)
+    p.set_defaults(handler=_check)
+
+
+def _check(args: argparse.Namespace) -> int:
+    import os
+    import tempfile
+
+    from terascale.health.verdict import CheckOptions
+    from terascale.launcher.runner import launch
+
+    opts = CheckOptions.from_args(args)
+    if opts.json_path is not None and not os.path.isdir(os.path.dirname(opts.json_path)):
+        raise ValueError(f"--json {args.json_path}: the directory {os.path.dirname(opts.json_path)} does not exist")
+    with tempfile.TemporaryDirectory(prefix="terascale-check-") as tmp:
+        # The ranks on this machine leave the verdict here (see preflight's _exit_code).
+        verdict_file = os.path.join(tmp, "verdict")
+        script_args = [*opts.to_argv(), "--verdict-file", verdict_file]
+        launch_opts = _launch_options(args, "terascale.health.preflight", script_args, module=True)
+        rc = launch(launch_opts, hostfile=args.hostfile, include=args.include, exclude=args.exclude)
+        verdict = int(open(verdict_file).read()) if os.path.exists(verdict_file) else None
+    if rc == 0:
+        return verdict or 0  # no file: the ranks ran on other hosts and exited with the verdict
+    if verdict is None:
+        print(f"terascale check: the ranks exited with code {rc}; the output above says why", file=sys.stderr)
+    else:
+        print(f"terascale check: FAILED: a rank exited with code {rc} after reporting", file=sys.stderr)
+    return 130 if rc == 130 else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``terascale`` argument parser with one subparser per subcommand."""
     parser = argparse.ArgumentParser(
@@ -199,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_env(subparsers)
     _add_estimate(subparsers)
     _add_consolidate(subparsers)
+    _add_elastic_config(subparsers)
+    _add_check(subparsers)
     return parser
 
 

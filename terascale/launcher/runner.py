@@ -111,6 +111,7 @@ class LaunchOptions:
     master_addr: str | None = None
     master_port: int | None = None
     rdzv_id: str | None = None
+    rdzv_conf: str | None = None  # torchrun's --rdzv_conf, passed as given
     max_restarts: int = 0
     module: bool = False
 
@@ -131,6 +132,19 @@ class LaunchOptions:
             raise ValueError(f"--max_restarts {self.max_restarts}: must be >= 0")
         if self.master_addr is not None and not self.master_addr.strip():
             raise ValueError("--master_addr is empty; give a hostname or IP address")
+
+
+# torchrun's c10d rendezvous shares its TCPStore with the workers by default, and after a
+# restart the new workers can read the previous attempt's keys (gloo/NCCL addresses) from
+# it: connections refused or hangs at init (pytorch/pytorch#135712, #167288; seen here with
+# gloo on torch 2.13). A store per rendezvous round avoids that.
+_RESTART_SAFE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def restart_safe_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` plus the settings that make torchrun's worker restarts reliable
+    (values the user set win)."""
+    return {**_RESTART_SAFE_ENV, **environ}
 
 
 def default_nproc() -> int:
@@ -176,6 +190,8 @@ def torchrun_args(opts: LaunchOptions, nproc_per_node: int, python: str = sys.ex
         ]
         if opts.rdzv_id is not None:
             args.append(f"--rdzv_id={opts.rdzv_id}")
+        if opts.rdzv_conf is not None:
+            args.append(f"--rdzv_conf={opts.rdzv_conf}")
         if opts.node_rank is not None:
             args.append(f"--node_rank={opts.node_rank}")
     args += [f"--nproc_per_node={nproc_per_node}", f"--max_restarts={opts.max_restarts}"]
@@ -241,7 +257,7 @@ def remote_exports(environ: Mapping[str, str], env_file_vars: Mapping[str, str])
     exports = {
         key: environ[key]
         for key in sorted(environ)
-        if key in _EXPORT_NAMES or key.startswith(_EXPORT_PREFIXES)
+        if key in _EXPORT_NAMES or key in _RESTART_SAFE_ENV or key.startswith(_EXPORT_PREFIXES)
     }
     exports.update(env_file_vars)
     return exports
@@ -482,7 +498,7 @@ def launch(
     agent per selected host over ssh (or locally, if the only host is this
     machine). Raises ``ValueError`` for inconsistent options.
     """
-    environ = os.environ if environ is None else environ
+    environ = restart_safe_environment(os.environ if environ is None else environ)
     cwd = os.getcwd() if cwd is None else cwd
     if hostfile is None:
         if include or exclude:

@@ -306,10 +306,10 @@ def _explain(exc: OSError, op: str, path: Path, offset: int | None = None, nbyte
     """A message for a failed open, read or write that says what to change."""
     where = f"'{path}'" if offset is None else f"bytes [{offset}, {offset + nbytes}) of '{path}'"
     hint = {
-        errno.ENOENT: f"the directory '{path.parent}' does not exist; create it or change nvme_path",
-        errno.EACCES: f"no permission to {op} in '{path.parent}'; change nvme_path",
-        errno.EROFS: f"'{path.parent}' is on a read-only filesystem; change nvme_path",
-        errno.ENOSPC: f"no space left on the device holding '{path.parent}'; free space or change nvme_path",
+        errno.ENOENT: f"the directory '{path.parent}' does not exist; create it or choose another directory",
+        errno.EACCES: f"no permission to {op} in '{path.parent}'; choose another directory",
+        errno.EROFS: f"'{path.parent}' is on a read-only filesystem; choose another directory",
+        errno.ENOSPC: f"no space left on the device holding '{path.parent}'; free space or choose another directory",
         errno.EDQUOT: f"disk quota exceeded on '{path.parent}'",
     }.get(exc.errno, exc.strerror or "")
     return f"{op} of {where} failed: {hint}"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -181,6 +182,9 @@ class FlatParamGroup:
         self.shard = self._full[lo:hi] if persistent else self._full[lo:hi].clone()
         self.state = ShardState.UNSHARDED
         self._work: dist.Work | None = None
+        # Seconds the caller spent waiting for this group's collectives (the straggler
+        # detector subtracts it from compute time: [Note: straggler compute time]).
+        self.blocked_s = 0.0
         if not persistent:
             self.reshard()
 
@@ -232,7 +236,9 @@ class FlatParamGroup:
         """Finish an in-flight gather (no-op otherwise)."""
         if self.state is ShardState.GATHERING:
             if self._work is not None:
+                started = time.perf_counter()
                 self._work.wait()
+                self.blocked_s += time.perf_counter() - started
                 self._work = None
             self._point_params_at(self._views)
             self.state = ShardState.UNSHARDED

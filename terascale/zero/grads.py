@@ -61,6 +61,7 @@ The rows are averaged like the dense part and added straight into the gradient s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -167,6 +168,7 @@ class ShardedGrads:
         self.pg = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.blocked_s = 0.0  # waiting for reduce-scatters ([Note: straggler compute time])
         self._on_group_done = on_group_done
         self._expected = [sum(t) for t in trainable]
         # Backward runs roughly last group to first: launch in that order. At stage 3 the
@@ -406,7 +408,9 @@ class ShardedGrads:
     @torch.no_grad()
     def _complete(self, item: _Pending) -> None:
         if item.work is not None:
+            started = time.perf_counter()
             item.work.wait()
+            self.blocked_s += time.perf_counter() - started
         if self._sparse[item.group] is not None:
             self._complete_sparse(item)
             return

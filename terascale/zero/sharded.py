@@ -497,6 +497,11 @@ class ShardedState:
         engines = [t.aio for t in tiers if t is not None and t.aio is not None]
         return {"read": sum(a.bytes_read for a in engines), "written": sum(a.bytes_written for a in engines)}
 
+    def comm_wait_s(self) -> float:
+        """Seconds this rank has spent blocked waiting for parameter gathers and gradient
+        reduce-scatters."""
+        return sum(g.blocked_s for g in self.groups) + self.grads.blocked_s
+
     # -- GatheredParameters (see [Note: owner table]) ------------------------------------------
 
     def gather(self, params: list[nn.Parameter]) -> object:

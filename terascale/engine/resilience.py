@@ -1,0 +1,333 @@
+"""The engine's side of long runs: resume, interval and signal saves, and the health monitors.
+
+A run configured with ``checkpoint.save_dir`` keeps going by itself (README, "Long runs"):
+
+* ``initialize`` resumes from the newest checkpoint every rank can read completely
+  (``auto_resume``; a corrupted newest one is passed over with a warning), on whatever
+  world size the job now has (load-time reshard; accumulation re-derived; the data
+  position carried, ``[Note: elastic data position]``);
+* after every optimizer step it saves when ``interval_steps`` / ``interval_seconds`` say
+  so, asynchronously, through ``local_dir`` when given (``[Note: node-local checkpoints]``);
+* SIGTERM (a preemption notice) makes every rank save at the next step and exit, within
+  ``signal_deadline_s`` of the signal (``[Note: saving on SIGTERM]``);
+* ``health`` adds the collective watchdog, the straggler detector and the non-finite
+  policy (``terascale.health``).
+
+The engine calls :meth:`Resilience.phase` around forward and backward, :meth:`check_finite`
+before an update and :meth:`after_step` after it; nothing here branches on the ZeRO stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from terascale.checkpoint.directory import CheckpointDirectory, verify
+from terascale.checkpoint.manifest import Manifest
+from terascale.health.non_finite import NonFiniteEvent, NonFinitePolicy, Verdict
+from terascale.health.straggler import StragglerDetector
+
+if TYPE_CHECKING:
+    from terascale.engine.engine import Engine
+
+logger = logging.getLogger("terascale")
+
+SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
+
+
+class Resilience:
+    """Resume, interval saves, save-on-SIGTERM and the in-training health monitors of ``engine``."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        ck, health = engine.config.checkpoint, engine.config.health
+        self.save_dir = ck.save_dir
+        self.local_dir = ck.local_dir
+        self._world = dist.get_world_size() if dist.is_initialized() else 1
+        self._last_save = time.monotonic()
+        self.resumed_in_s = 0.0  # how long auto_resume's load took (0: nothing resumed)
+        self._non_finite = NonFinitePolicy(health.non_finite.policy, health.non_finite.max_rollbacks)
+        if health.non_finite.policy == "rollback" and self.save_dir is None:
+            raise ValueError(
+                "health.non_finite.policy 'rollback' goes back to the last checkpoint in checkpoint.save_dir; "
+                "set checkpoint.save_dir (and an interval: checkpoint.interval_steps)"
+            )
+        self._straggler = None
+        if health.straggler.enabled:
+            self._straggler = StragglerDetector(
+                health.straggler.every_n_steps,
+                health.straggler.threshold,
+                device=engine.device,
+                pp_rank=engine.dist.pp_rank,
+                waited=engine._state.comm_wait_s,
+            )
+            self._straggler.window_starts(engine.global_steps + 1)
+        self._watchdog = None
+        if health.watchdog.enabled and self._world > 1:
+            from terascale.health.watchdog import CollectiveWatchdog
+
+            self._watchdog = CollectiveWatchdog(engine.dist, timeout_s=health.watchdog.timeout_s, blocked_only=True)
+        self._signal = _SignalSave(ck.signal_deadline_s) if ck.save_on_signal and self.save_dir else None
+
+    @property
+    def checks_non_finite(self) -> bool:
+        return self._non_finite.policy != "none"
+
+    def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.close()
+        if self._signal is not None:
+            self._signal.uninstall()
+
+    # -- during the step -----------------------------------------------------------------------
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Mark ``name`` (forward/backward) for the watchdog and time it for the straggler check."""
+        if self._watchdog is not None:
+            self._watchdog.progress(self.engine.micro_steps, name)
+        with self._straggler.phase() if self._straggler is not None else nullcontext():
+            yield
+
+    def mark(self, name: str) -> None:
+        """Tell the watchdog this rank reached ``name`` (step, save, load, ...)."""
+        if self._watchdog is not None:
+            self._watchdog.progress(self.engine.micro_steps, name)
+
+    def check_finite(self, norm: torch.Tensor) -> Verdict:
+        """Collective over every rank: the fate of the step whose global gradient norm is
+        ``norm`` (see ``terascale.health.non_finite``); raises NonFiniteError to stop."""
+        engine = self.engine
+        loss_bad = torch.tensor([0.0 if bool(torch.isfinite(engine._window_loss)) else 1.0], device=engine.device)
+        flags = [torch.empty_like(loss_bad) for _ in range(self._world)]
+        if self._world > 1:
+            dist.all_gather(flags, loss_bad)
+        else:
+            flags = [loss_bad]
+        ranks = tuple(r for r, f in enumerate(flags) if float(f) > 0)
+        value = float(norm)
+        event = None if ranks == () and torch.isfinite(norm) else NonFiniteEvent(engine.global_steps + 1, value, ranks)
+        verdict = self._non_finite.verdict(event)
+        if event is not None and engine._reports:
+            logger.warning("%s: %s", event.describe(), {"skip": "step skipped", "rollback": "rolling back"}[verdict])
+        return verdict
+
+    def rollback(self) -> None:
+        """Back to the last checkpoint in ``save_dir`` (collective). The data position is
+        kept: the batches that went bad stay consumed."""
+        engine = self.engine
+        engine.wait_for_checkpoint()
+        folder = self._newest_complete()
+        if folder is None:
+            from terascale.health.non_finite import NonFiniteError
+
+            raise NonFiniteError(f"health.non_finite.policy 'rollback': no checkpoint in '{self.save_dir}' to go back to")
+        step = engine.global_steps
+        self.mark("load")
+        engine._checkpointer.load(folder, None, load_optimizer_states=True, load_lr_scheduler_states=True,
+                                  load_module_only=False, data_position=False)  # fmt: skip
+        if engine._reports:
+            logger.warning("rolled back from step %d to '%s' (step %d)", step + 1, folder, engine.global_steps)
+
+    def after_step(self) -> None:
+        """After an optimizer step: the straggler check, then the saves that are due."""
+        engine = self.engine
+        step = engine.global_steps
+        if self._straggler is not None:
+            report = self._straggler.check(step)
+            self._straggler.window_starts(step + 1)
+            if report is not None and engine._reports:
+                if report.stragglers:
+                    logger.warning(report.describe())
+                for m in engine._monitors:
+                    m.write([("Health/straggler_max_ratio", report.max_ratio, engine.global_samples)])
+        signalled, due = self._agree_on_flags()
+        if signalled:
+            self._save_and_exit()
+        every = engine.config.checkpoint.interval_steps
+        if due or (every is not None and step % every == 0):
+            self.save_now()
+
+    def save_now(self) -> str:
+        """An interval save: asynchronous, to ``local_dir`` then ``save_dir`` (or straight to
+        ``save_dir``). Collective; returns the tag."""
+        assert self.save_dir is not None
+        self.mark("save")
+        self._last_save = time.monotonic()
+        if self.local_dir is not None:
+            return self.engine._checkpointer.save(self.local_dir, None, None, True, asynchronous=True, mirror_to=self.save_dir)
+        return self.engine._checkpointer.save(self.save_dir, None, None, True, asynchronous=True)
+
+    def _agree_on_flags(self) -> tuple[bool, bool]:
+        """(any rank got SIGTERM, interval_seconds elapsed on any rank): one small
+        all-reduce, only when those features are on (clocks differ between ranks)."""
+        interval = self.engine.config.checkpoint.interval_seconds
+        if self._signal is None and interval is None:
+            return False, False
+        due = interval is not None and time.monotonic() - self._last_save >= interval
+        flags = torch.tensor([float(self._signal is not None and self._signal.received), float(due)], device=self.engine.device)
+        if self._world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0] > 0), bool(flags[1] > 0)
+
+    def _save_and_exit(self) -> None:
+        """[Note: saving on SIGTERM] Schedulers announce a preemption with SIGTERM and
+        kill the process a grace period later (torchrun's agent: 30 s). The handler only
+        records the signal (the main thread may be inside a collective); at the next
+        optimizer step the ranks agree that one of them got it, save synchronously to
+        ``save_dir`` (not ``local_dir``: the node may not come back) and exit with 143. A
+        timer started by the handler ends the process at ``signal_deadline_s`` whatever
+        it is doing; the atomic save protocol leaves the previous checkpoint intact then."""
+        engine = self.engine
+        assert self.save_dir is not None and self._signal is not None
+        started = time.monotonic()
+        try:
+            engine.wait_for_checkpoint()
+        except Exception as exc:  # noqa: BLE001 - the save below supersedes it
+            logger.warning("an earlier asynchronous save failed (%s); saving now", exc)
+        self.mark("save")
+        tag = engine._checkpointer.save(self.save_dir, None, None, True, asynchronous=False)
+        if engine._reports:
+            logger.warning(
+                "SIGTERM: saved checkpoint '%s' in %.1f s (%.1f s after the signal); exiting",
+                Path(self.save_dir) / tag, time.monotonic() - started, time.monotonic() - self._signal.received_at,
+            )
+        raise SystemExit(SIGTERM_EXIT_CODE)
+
+    # -- at start-up -----------------------------------------------------------------------------
+
+    def auto_resume(self) -> str | None:
+        """With ``checkpoint.auto_resume``: load the newest checkpoint every rank can read
+        completely, from ``local_dir`` or ``save_dir``. Collective; returns its folder."""
+        engine = self.engine
+        if not engine.config.checkpoint.auto_resume:
+            return None
+        folder = self._newest_complete()
+        if folder is None:
+            if engine._reports:
+                logger.info("auto_resume: no checkpoint in '%s' yet; starting from step 0", self.save_dir)
+            return None
+        self.mark("load")
+        started = time.perf_counter()
+        engine._checkpointer.load(folder, None, load_optimizer_states=True, load_lr_scheduler_states=True,
+                                  load_module_only=False)  # fmt: skip
+        self.resumed_in_s = time.perf_counter() - started
+        saved = Manifest.read(folder)
+        if engine._reports:
+            logger.info("auto_resume: resumed from '%s' at step %d in %.2f s (saved on %d ranks, now %d)",
+                        folder, engine.global_steps, self.resumed_in_s, saved.world_size, self._world)  # fmt: skip
+        self._last_save = time.monotonic()
+        if self._straggler is not None:
+            self._straggler.window_starts(engine.global_steps + 1)
+        return str(folder)
+
+    def _newest_complete(self) -> Path | None:
+        """The newest checkpoint (by step; the local copy first at equal steps) that is
+        complete on every rank; newer incomplete ones are named in a warning. Collective.
+
+        Each rank verifies candidates newest first and stops at the first complete one;
+        the ranks then agree on the oldest of their picks, and check again below it until
+        all picks are the same (a node-local copy is complete only where it was written).
+        """
+        roots = [d for d in (self.local_dir, self.save_dir) if d is not None]
+        bound = None
+        problems: set[str] = set()
+        while True:
+            mine = _best_complete(roots, bound)
+            everyone: list[Any] = [None] * self._world
+            if self._world > 1:
+                dist.all_gather_object(everyone, mine, group=self.engine._checkpointer.coordination_group())
+            else:
+                everyone = [mine]
+            problems |= {p for _, ps in everyone for p in ps}
+            picks = [pick for pick, _ in everyone]
+            chosen = None if None in picks else min(picks)
+            if chosen is None or all(pick == chosen for pick in picks):
+                break
+            bound = chosen
+        if problems and self.engine._reports:
+            for text in sorted(problems):
+                logger.warning("not resuming from an incomplete checkpoint: %s", text)
+        return None if chosen is None else Path(chosen[2])
+
+
+def _best_complete(roots: list[str], bound: tuple | None) -> tuple[tuple[int, int, str] | None, list[str]]:
+    """The newest complete checkpoint ``(step, preference, folder)`` under ``roots`` not
+    newer than ``bound`` (the first root preferred at equal steps), and the problems of the
+    newer ones passed over."""
+    candidates = []
+    for preference, root in enumerate(reversed(roots)):
+        directory = CheckpointDirectory(root)
+        if directory.root.is_dir():
+            for folder in directory.root.iterdir():
+                if folder.is_dir() and not folder.name.startswith("."):
+                    candidates.append((_step_of(folder), preference, str(folder)))
+    problems = []
+    for candidate in sorted(candidates, reverse=True):
+        if bound is not None and candidate > bound:
+            continue
+        problem = verify(Path(candidate[2]))
+        if problem is None:
+            return candidate, problems
+        problems.append(f"'{candidate[2]}': {problem}")
+    return None, problems
+
+
+def _step_of(folder: Path) -> int:
+    """The optimizer step a checkpoint folder was saved at: from its default tag
+    (``global_step<N>``), else its manifest, else -1 (tried last)."""
+    digits = folder.name.removeprefix("global_step")
+    if digits.isdigit():
+        return int(digits)
+    try:
+        return int(Manifest.read(folder).engine["global_steps"])
+    except Exception:  # noqa: BLE001 - unreadable: verify() will say why
+        return -1
+
+
+class _SignalSave:
+    """Records SIGTERM (in the main thread, where Python runs handlers) and arms the
+    deadline that ends the process ``deadline_s`` later whatever it is doing."""
+
+    def __init__(self, deadline_s: float) -> None:
+        self.deadline_s = deadline_s
+        self.received_at = 0.0
+        self._previous: Any = None
+        self._installed = threading.current_thread() is threading.main_thread()
+        if self._installed:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    @property
+    def received(self) -> bool:
+        return self.received_at > 0
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.received:
+            return
+        self.received_at = time.monotonic()
+        timer = threading.Timer(self.deadline_s, _deadline_passed, args=(self.deadline_s,))
+        timer.daemon = True
+        timer.start()
+        if callable(self._previous) and self._previous not in (signal.SIG_IGN, signal.SIG_DFL):
+            self._previous(signum, frame)
+
+    def uninstall(self) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+            self._installed = False
+
+
+def _deadline_passed(deadline_s: float) -> None:
+    logger.error("SIGTERM: no checkpoint finished within %.0f s (checkpoint.signal_deadline_s); exiting "
+                 "without it, the previous checkpoint is intact", deadline_s)  # fmt: skip
+    os._exit(SIGTERM_EXIT_CODE)
