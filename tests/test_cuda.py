@@ -6,6 +6,8 @@ Multi-rank tests elsewhere in the suite use one GPU per rank when there are enou
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -207,3 +209,34 @@ def test_pipeline_and_tensor_parallel_on_cuda_match_plain_pytorch(tmp_path):
 
     p3d._check(run_ranks(p3d._parity_rank, 4, [(2, 2, 0, 1), (2, 2, 1, 2), (2, 1, 3, 1)], timeout=400))
     p3d._check([[r] for r in run_ranks(p3d._reshard_rank, 4, str(tmp_path / "ckpt"), timeout=400)])
+
+
+def _resilience_on_cuda(save_dir: str) -> tuple[int, int, list[str], float]:
+    import terascale
+    from toy import make_model
+
+    config = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3},
+              "checkpoint": {"save_dir": save_dir, "interval_steps": 2, "auto_resume": True},
+              "health": {"straggler": {"enabled": True, "every_n_steps": 2}, "non_finite": {"policy": "skip"}}}
+    engine, *_ = terascale.initialize(model=make_model(), config=config)
+    x, y = torch.randn(4, 12), torch.randint(0, 5, (4,))
+    for step in range(1, 5):
+        hook = None
+        if step == 3:  # a NaN gradient: the step is skipped, the others train
+            hook = next(engine.module.parameters()).register_hook(lambda g: g * float("nan"))
+        engine.backward(engine(x, y))
+        if hook is not None:
+            hook.remove()
+        engine.step()
+    engine.wait_for_checkpoint()
+    report = engine._resilience._straggler.last
+    return engine.global_steps, engine.skipped_steps, sorted(p.name for p in Path(save_dir).iterdir()), report.compute_s[0]
+
+
+def test_resilience_on_cuda(tmp_path):
+    # Interval saves from device state, the straggler timing (device synchronised around
+    # the measured phases) and the non-finite check on a GPU.
+    steps, skipped, saved, compute_s = run_ranks(_resilience_on_cuda, 1, str(tmp_path))[0]
+    assert (steps, skipped) == (4, 1)
+    assert saved == ["global_step2", "global_step4", "latest"] and compute_s > 0
