@@ -1,8 +1,8 @@
 """Resilience costs: recovery after a rank dies, work lost vs checkpoint interval, the
 pre-flight check's duration and the health monitors' step-time overhead.
 
-    python bench/resilience.py                 # the full run (about 10 minutes on 2 CPU cores)
-    python bench/resilience.py --quick         # about 2 minutes, fewer repeats and steps
+    python bench/resilience.py                 # the full run (about 8 minutes on 2 quiet CPU cores)
+    python bench/resilience.py --quick         # about 2.5 minutes, fewer repeats and steps
     python bench/resilience.py --parts recovery,monitors --repeats 5
 
 Every job runs 2 ranks (gloo, ``OMP_NUM_THREADS=1``) under ``terascale run --nproc 2``
@@ -10,16 +10,20 @@ Every job runs 2 ranks (gloo, ``OMP_NUM_THREADS=1``) under ``terascale run --npr
 ...``). The worker trains an MLP of ``--width`` x ``--layers`` (about 34M fp32 parameters
 by default) at ZeRO stage 2 with AdamW on synthetic batches derived from the step number,
 and appends one JSON line per event to ``OUT/rank<R>.jsonl``: its start (process creation
-time from psutil, end of ``terascale.initialize`` which includes the auto-resume load,
-``engine._resilience.resumed_in_s`` and the step resumed at), every optimizer step's end
-(``time.time()``: all ranks are on this machine, so the clocks agree), and the kill.
+time, see ``process_start_time``; the end of ``terascale.initialize``, which includes the
+auto-resume load; ``engine._resilience.resumed_in_s`` and the step resumed at), every
+optimizer step's end (``time.time()``: all ranks are on this machine, so the clocks
+agree), the kill, and the surviving rank's error.
 
 1. ``recovery``: ``checkpoint.interval_steps`` saves, rank 1 SIGKILLs itself before the
    forward of ``--kill-step`` in the first attempt (its last line is the time of the kill),
    ``--max-restarts 1``. Breakdown: kill -> the new worker processes exist (torchrun's
-   detection, tear-down of the surviving rank, restart), process start -> end of
-   initialize minus the load, the load, the first optimizer step; their sum is the
-   recovery, and recovery / (load + start-up) is the target ratio (<= 2).
+   detection, tear-down of the surviving rank, restart; split with the times in
+   torchrun's log), process start -> end of initialize minus the load, the load, the
+   first optimizer step; their sum is the recovery, and recovery / (load + start-up) is
+   the target ratio (<= 2). Each repeat runs the default configuration and one with
+   ``checkpoint.save_on_signal`` off: torchrun ends the surviving rank with SIGTERM,
+   which the save-on-signal handler catches.
 2. ``interval``: for each interval in ``--intervals``, a 24-step job killed at step 19:
    steps run again after the restart (kill step - step resumed at) and the wall time they
    took; plus the save overhead: the mean (amortized: every interval-th step pays a save)
@@ -27,7 +31,17 @@ time from psutil, end of ``terascale.initialize`` which includes the auto-resume
    fall in it) against a job without saves, all interleaved.
 3. ``check``: wall time of ``terascale check --nproc 2`` and a summary of its ``--json``.
 4. ``monitors``: median step time with ``health`` on (watchdog, straggler every 10 steps,
-   non_finite "skip") against off, interleaved A/B runs, the first steps discarded.
+   non_finite "skip") against off, interleaved A/B runs, the first steps discarded; then
+   one job holding an engine per configuration (off, on, each monitor alone) that steps
+   them in turn, so that the machine's drift falls on all alike, for the ratio per step
+   and the cost of each monitor.
+
+The machine is shared and has 2 cores, which the 2 ranks fill: other people's work
+running meanwhile slows a job by up to 2x. The driver measures it (the machine's busy CPU
+time outside the job, in cores) for every job and prints it under each table; it waits
+for a quiet moment before each job and runs a job again when other work still kept more
+than ``--max-others`` cores busy during it, within ``--wait-budget`` / ``--rerun-budget``
+seconds in all (then it keeps what it got and says so).
 
 Prints markdown tables, writes JSON (``--json``); every checkpoint lives in a temporary
 directory that is removed at the end.
@@ -36,9 +50,9 @@ directory that is removed at the end.
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -64,17 +78,19 @@ def worker(argv: list[str]) -> None:
     p.add_argument("--width", type=int, required=True)
     p.add_argument("--layers", type=int, required=True)
     p.add_argument("--batch", type=int, required=True, help="samples per rank per step")
-    p.add_argument("--config-b", default=None, help="a second config: step two engines alternately")
+    p.add_argument("--probe-engine", type=int, default=None,
+                   help="time the non-finite check's own work on this engine (0: --config) after the steps")
+    p.add_argument("--more-configs", default=None,
+                   help="comma-separated further configs: one engine per config, stepped in turn")
     a = p.parse_args(argv)
 
-    import psutil
     import torch
     from torch import nn
 
     import terascale
 
     imported = time.time()
-    proc_start = psutil.Process().create_time()
+    proc_start = process_start_time()
     rank = int(os.environ["RANK"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     log = open(Path(a.out) / f"rank{rank}.jsonl", "a", buffering=1)
@@ -102,17 +118,22 @@ def worker(argv: list[str]) -> None:
         engine.step()
         return float(loss.detach())
 
-    if a.config_b:
-        # Two engines in one process (one per config), stepped alternately (A B, B A, ...):
-        # whatever else the machine does falls on both alike.
+    if a.more_configs:
+        # One engine per config in one process, each step of each in turn, the order rotated
+        # every step: whatever else the machine does falls on all of them alike.
+        configs = [a.config, *a.more_configs.split(",")]
         engines = {}
-        for name, cfg in (("a", a.config), ("b", a.config_b)):
-            engines[name], _, _, _ = terascale.initialize(model=mlp(), config=cfg)
+        for i, cfg in enumerate(configs):
+            engines[i], _, _, _ = terascale.initialize(model=mlp(), config=cfg)
         for step in range(1, a.steps + 1):
-            for name in ("a", "b") if step % 2 else ("b", "a"):
+            k = step % len(configs)
+            order = list(range(len(configs)))[k:] + list(range(len(configs)))[:k]
+            for name in order if step % 2 else order[::-1]:
                 t0, c0 = time.perf_counter(), time.process_time()
                 train_step(engines[name], step)
                 record(event="ab", engine=name, step=step, s=time.perf_counter() - t0, cpu=time.process_time() - c0)
+        if a.probe_engine is not None:
+            probe_non_finite(engines[a.probe_engine], batch(1), mse, record)
         record(event="end", t=time.time())
         log.close()
         for e in engines.values():
@@ -137,10 +158,8 @@ def worker(argv: list[str]) -> None:
         try:
             loss = train_step(engine, step)
         except BaseException as exc:
-            # The surviving rank's collective fails once the peer is gone (gloo: connection
-            # reset); "exit" is logged when the interpreter starts shutting down.
+            # The surviving rank's collective fails once the peer is gone (gloo: connection reset).
             record(event="error", t=time.time(), step=step, error=repr(exc)[:300])
-            atexit.register(lambda: record(event="exit", t=time.time()))
             raise
         # time.process_time(): CPU seconds of every thread of this rank (the background
         # checkpoint writer's and the watchdog's included), less sensitive than wall time
@@ -152,14 +171,55 @@ def worker(argv: list[str]) -> None:
     engine.destroy()
 
 
+def process_start_time() -> float:
+    """This process's creation as a ``time.time()`` value, to the kernel's 10 ms tick.
+
+    ``psutil.Process().create_time()`` adds the boot time from /proc/stat, which is whole
+    seconds: its values are off from ``time.time()`` by up to a second (0.31 s on the
+    machine of bench/RESULTS.md), enough to make kill -> restart negative. The start in
+    ticks since boot (/proc/self/stat) against CLOCK_BOOTTIME now has no such offset."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, AttributeError, ValueError, IndexError):  # not Linux
+        import psutil
+
+        return psutil.Process().create_time()
+
+
+def probe_non_finite(engine: object, xy: tuple, mse: object, record: object, repeats: int = 20) -> None:
+    """Time what ``health.non_finite`` adds to a step, on a window with gradients: the global
+    gradient norm (computed only for it when clipping and fp16 are off) and the collective
+    verdict (``Resilience.check_finite``: a one-element all-gather). Medians of ``repeats``."""
+    import torch
+
+    x, y = xy
+    engine.backward(mse(engine(x), y))
+    norm_s, check_s = [], []
+    for _ in range(repeats):
+        engine._window_norm = None  # the norm is cached per window: compute it again
+        t0 = time.perf_counter()
+        norm = engine.window_grad_norm()
+        float(norm)
+        t1 = time.perf_counter()
+        engine._resilience.check_finite(norm)
+        norm_s.append(t1 - t0)
+        check_s.append(time.perf_counter() - t1)
+    torch.distributed.barrier()
+    engine.zero_grad()
+    record(event="probe", norm_s=statistics.median(norm_s), check_s=statistics.median(check_s))
+
+
 # -- the driver -----------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="about 2 minutes: fewer repeats, intervals and steps")
+    p.add_argument("--quick", action="store_true", help="about 2.5 minutes: fewer repeats, intervals and steps")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
-    p.add_argument("--repeats", type=int, default=None, help="recovery runs and A/B pairs (default 3; quick 1)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="recovery runs (of each configuration) and A/B pairs (default 3; quick 1)")
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--layers", type=int, default=7, help="hidden layers (the MLP has layers + 1 Linear)")
     p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
@@ -170,15 +230,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="interleaved rounds of part 2 (default 2; quick 1)")
     p.add_argument("--monitor-steps", type=int, default=None, help="steps per A/B run (default 40; quick 20)")
     p.add_argument("--monitor-warmup", type=int, default=5)
-    p.add_argument("--ab-steps", type=int, default=None,
-                   help="steps of each engine in the one-process alternating run (default 60; quick 30)")
+    p.add_argument("--turn-steps", type=int, default=None,
+                   help="steps of each engine in the one-process run of every configuration in turn "
+                   "(default 80; quick 20)")
     p.add_argument("--monitor-width", type=int, default=1536, help="MLP width of part 4")
     p.add_argument("--check-repeats", type=int, default=None, help="runs of terascale check (default 2; quick 1)")
     p.add_argument("--max-others", type=float, default=0.25,
                    help="run a job again when other work kept more than this many cores busy during it")
     p.add_argument("--rerun-budget", type=float, default=None,
                    help="seconds of such reruns at most (default 240; quick 60)")
-    p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary folder, removed)")
+    p.add_argument("--wait-budget", type=float, default=None,
+                   help="seconds in all to wait for other work to stop before jobs (default 300; quick 60)")
+    p.add_argument("--dir", default=None,
+                   help="where the temporary folder of checkpoints goes (default: the system's); removed at the end")
     p.add_argument("--json", default="runs/bench/resilience.json")
     a = p.parse_args(argv)
     a.repeats = a.repeats or (1 if a.quick else 3)
@@ -186,8 +250,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.interval_rounds = a.interval_rounds or (1 if a.quick else 2)
     a.monitor_steps = a.monitor_steps or (20 if a.quick else 40)
     a.check_repeats = a.check_repeats or (1 if a.quick else 2)
-    a.ab_steps = a.ab_steps or (30 if a.quick else 60)
+    a.turn_steps = a.turn_steps or (20 if a.quick else 80)
     a.rerun_budget = a.rerun_budget if a.rerun_budget is not None else (60.0 if a.quick else 240.0)
+    a.wait_budget = a.wait_budget if a.wait_budget is not None else (60.0 if a.quick else 300.0)
     a.parts = [s.strip() for s in a.parts.split(",") if s.strip()]
     unknown = set(a.parts) - set(PARTS)
     if unknown:
@@ -222,7 +287,19 @@ def _config(tmp: Path, name: str, *, batch: int, checkpoint: dict | None = None,
 # A job during which other work kept more than ``max_others`` cores busy measured the
 # machine's contention more than terascale: it runs again, up to ``retries`` times while the
 # total time spent on such reruns stays under ``budget_s`` (set from the command line).
-RERUN = {"max_others": 0.25, "retries": 2, "budget_s": 240.0, "spent_s": 0.0}
+# Before each job the driver also waits (within ``wait_budget_s`` in all) for 2 s in a row
+# in which other work kept fewer than ``max_others`` cores busy.
+RERUN = {"max_others": 0.25, "retries": 2, "budget_s": 240.0, "spent_s": 0.0, "wait_budget_s": 300.0,
+         "waited_s": 0.0}
+
+
+def wait_for_quiet() -> None:
+    quiet, started = 0, time.time()
+    while quiet < 2 and RERUN["waited_s"] + (time.time() - started) < RERUN["wait_budget_s"]:
+        busy0 = _busy_cpu()
+        time.sleep(1.0)
+        quiet = quiet + 1 if _busy_cpu() - busy0 < RERUN["max_others"] else 0
+    RERUN["waited_s"] += max(0.0, time.time() - started - 2.0)
 
 
 def run_job(tmp: Path, name: str, config: Path, *, clean: Path | None = None, **kwargs: object) -> dict:
@@ -233,6 +310,7 @@ def run_job(tmp: Path, name: str, config: Path, *, clean: Path | None = None, **
     while True:
         if clean is not None:
             shutil.rmtree(clean, ignore_errors=True)
+        wait_for_quiet()
         job = run_job_once(tmp, name, config, **kwargs)
         busy = job["others"] > RERUN["max_others"]
         if not busy or len(dropped) >= RERUN["retries"] or RERUN["spent_s"] + job["wall_s"] > RERUN["budget_s"]:
@@ -249,7 +327,8 @@ def run_job(tmp: Path, name: str, config: Path, *, clean: Path | None = None, **
 
 
 def run_job_once(tmp: Path, name: str, config: Path, *, steps: int, width: int, layers: int, batch: int,
-                 kill_step: int = 0, restarts: int = 0, config_b: Path | None = None, timeout: float = 600.0) -> dict:
+                 kill_step: int = 0, restarts: int = 0, more_configs: list[Path] | None = None,
+                 probe: int | None = None, timeout: float = 600.0) -> dict:
     """One ``terascale run --nproc 2`` job of the worker; its events per rank, the exit code
     and the wall time of the whole launch."""
     out = tmp / name
@@ -258,8 +337,10 @@ def run_job_once(tmp: Path, name: str, config: Path, *, steps: int, width: int, 
     cmd = [sys.executable, "-m", "terascale", "run", "--nproc", "2", "--max-restarts", str(restarts), __file__,
            "worker", "--out", str(out), "--config", str(config), "--steps", str(steps), "--kill-step", str(kill_step),
            "--width", str(width), "--layers", str(layers), "--batch", str(batch)]
-    if config_b is not None:
-        cmd += ["--config-b", str(config_b)]
+    if more_configs:
+        cmd += ["--more-configs", ",".join(str(c) for c in more_configs)]
+    if probe is not None:
+        cmd += ["--probe-engine", str(probe)]
     busy0, tree0 = _busy_cpu(), _children_cpu()
     started = time.time()
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -284,7 +365,27 @@ def run_job_once(tmp: Path, name: str, config: Path, *, steps: int, width: int, 
     # the job's own, over its wall time): near 0 on a quiet machine; other people's jobs
     # sharing the 2 cores show here and in the 1-minute load average.
     return {"events": events, "rc": proc.returncode, "wall_s": wall, "load_avg": os.getloadavg()[0],
-            "others": others, "output_tail": text[-1500:]}
+            "others": others, "agent": _agent_times(text), "output_tail": text[-1500:]}
+
+
+_AGENT_LINE = re.compile(r"^[IWE](\d{4}) (\d\d:\d\d:\d\d\.\d+) \d+ \S+\] "
+                         r"(Sending process \d+ closing signal SIGTERM|failed \(exitcode)")
+
+
+def _agent_times(text: str) -> dict[str, float]:
+    """From torchrun's log (glog style, local time): when the agent SIGTERMed the surviving
+    worker ("sigterm"; absent when it had already exited) and when it had seen every
+    worker exit ("failed"), as time.time() values; the first of each."""
+    found: dict[str, float] = {}
+    year = time.localtime().tm_year
+    for line in text.splitlines():
+        m = _AGENT_LINE.match(line)
+        if m:
+            day, clock, what = m.groups()
+            hms, frac = clock.split(".")
+            when = time.mktime(time.strptime(f"{year}{day} {hms}", "%Y%m%d %H:%M:%S")) + float("0." + frac)
+            found.setdefault("sigterm" if what.startswith("Sending") else "failed", when)
+    return found
 
 
 def _busy_cpu() -> float:
@@ -346,45 +447,56 @@ def recovery_breakdown(job: dict) -> dict:
         "model_s": max(s["built"] - s["imported"] for s in starts),
         "initialize_s": init_end - max(s["built"] for s in starts) - load,
         "steady_step_s": statistics.median(steady) if steady else None,
-        **_survivor(ev, kill, proc_start),
+        **_survivor(job, kill, proc_start),
         "proc_start_spread_s": max(s["proc_start"] for s in starts) - min(s["proc_start"] for s in starts),
         "redo_s": ends[kill["step"]] - init_end if kill["step"] in ends else None,
         "back_at_kill_step_s": ends[kill["step"]] - kill["t"] if kill["step"] in ends else None,
     }
 
 
-def _survivor(events: dict, kill: dict, proc_start: float) -> dict:
-    """How detect + restart divides: kill -> the surviving rank's collective fails, -> its
-    interpreter starts shutting down, -> the new worker processes exist."""
-    err = next((e for e in events[0] if e["event"] == "error" and e["attempt"] == 0), None)
-    end = next((e for e in events[0] if e["event"] == "exit" and e["attempt"] == 0), None)
-    if err is None or end is None:
-        return {}
-    return {"survivor_error_s": err["t"] - kill["t"], "survivor_exit_s": end["t"] - err["t"],
-            "teardown_restart_s": proc_start - end["t"]}
+def _survivor(job: dict, kill: dict, proc_start: float) -> dict:
+    """How detect + restart divides: kill -> the surviving rank's collective fails (its
+    own log) and -> torchrun SIGTERMs it (torchrun's log); -> torchrun has seen it exit;
+    -> the new worker processes exist (torchrun's next rendezvous and the spawn)."""
+    out = {}
+    err = next((e for e in job["events"][0] if e["event"] == "error" and e["attempt"] == 0), None)
+    if err is not None:
+        out["survivor_error_s"] = err["t"] - kill["t"]
+    agent = job.get("agent", {})
+    if "failed" in agent:
+        if "sigterm" in agent:
+            out["agent_sigterm_s"] = agent["sigterm"] - kill["t"]
+            out["survivor_exit_s"] = agent["failed"] - agent["sigterm"]
+        out["agent_failed_s"] = agent["failed"] - kill["t"]
+        out["respawn_s"] = proc_start - agent["failed"]
+    return out
+
+
+RECOVERY_VARIANTS = {"default": {}, "no_signal_save": {"save_on_signal": False}}
 
 
 def part_recovery(a: argparse.Namespace, tmp: Path) -> dict:
-    runs = []
+    """Each repeat runs the job as configured by default and with ``checkpoint.save_on_signal``
+    off (in alternating order): torchrun ends the surviving rank with SIGTERM, which the
+    save-on-signal handler catches (see the report)."""
+    runs: dict[str, list[dict]] = {v: [] for v in RECOVERY_VARIANTS}
     for r in range(a.repeats):
-        ckpt = tmp / "ckpt-recovery"
-        shutil.rmtree(ckpt, ignore_errors=True)
-        cfg = _config(tmp, "recovery", batch=a.batch, checkpoint={
-            "save_dir": str(ckpt), "interval_steps": a.recovery_interval, "auto_resume": True, "keep_last_n": 2})
-        job = run_job(tmp, f"recovery-{r}", cfg, clean=ckpt, steps=a.recovery_kill_step + 2, width=a.width,
-                      layers=a.layers, batch=a.batch, kill_step=a.recovery_kill_step, restarts=1)
-        b = recovery_breakdown(job)
-        b["params"] = job["events"][0][0]["params"]
-        b["ckpt_bytes"] = _dir_bytes(ckpt)
-        b["job_wall_s"] = job["wall_s"]
-        b["load_avg"] = job["load_avg"]
-        b["others"] = job["others"]
-        b["reruns"] = job["reruns"]
-        shutil.rmtree(ckpt, ignore_errors=True)
-        runs.append(b)
-        print(f"recovery {r}: kill->proc {b['detect_restart_s']:.2f} s, start-up {b['startup_s']:.2f} s, load "
-              f"{b['load_s']:.2f} s, first step {b['first_step_s']:.2f} s, recovery {b['recovery_s']:.2f} s, ratio "
-              f"{b['ratio']:.2f} (others' CPU {b['others']:.2f} cores)", file=sys.stderr, flush=True)
+        for variant in list(RECOVERY_VARIANTS)[:: 1 if r % 2 == 0 else -1]:
+            ckpt = tmp / "ckpt-recovery"
+            shutil.rmtree(ckpt, ignore_errors=True)
+            cfg = _config(tmp, f"recovery-{variant}", batch=a.batch, checkpoint={
+                "save_dir": str(ckpt), "interval_steps": a.recovery_interval, "auto_resume": True, "keep_last_n": 2,
+                **RECOVERY_VARIANTS[variant]})
+            job = run_job(tmp, f"recovery-{variant}-{r}", cfg, clean=ckpt, steps=a.recovery_kill_step + 2,
+                          width=a.width, layers=a.layers, batch=a.batch, kill_step=a.recovery_kill_step, restarts=1)
+            b = recovery_breakdown(job)
+            b.update(params=job["events"][0][0]["params"], ckpt_bytes=_dir_bytes(ckpt), job_wall_s=job["wall_s"],
+                     load_avg=job["load_avg"], others=job["others"], reruns=job["reruns"])
+            shutil.rmtree(ckpt, ignore_errors=True)
+            runs[variant].append(b)
+            print(f"recovery {variant} {r}: kill->proc {b['detect_restart_s']:.2f} s, start-up {b['startup_s']:.2f} s, "
+                  f"load {b['load_s']:.2f} s, first step {b['first_step_s']:.2f} s, recovery {b['recovery_s']:.2f} s, "
+                  f"ratio {b['ratio']:.2f} (others' CPU {b['others']:.2f} cores)", file=sys.stderr, flush=True)
     return {"runs": runs}
 
 
@@ -436,6 +548,10 @@ def part_check(a: argparse.Namespace, tmp: Path) -> dict:
     runs = []
     for r in range(a.check_repeats):
         out = tmp / f"check-{r}.json"
+        # The checkpoints written before (GBs in part 2) may still be on their way to the
+        # disk; the check's I/O test would measure that writeback too.
+        os.sync()
+        wait_for_quiet()
         busy0, tree0 = _busy_cpu(), _children_cpu()
         started = time.time()
         proc = subprocess.run([sys.executable, "-m", "terascale", "check", "--nproc", "2", "--json", str(out)],
@@ -455,6 +571,7 @@ def part_check(a: argparse.Namespace, tmp: Path) -> dict:
 MONITORS_ON = {"watchdog": {"enabled": True}, "straggler": {"enabled": True, "every_n_steps": 10},
                "non_finite": {"policy": "skip"}}
 MONITORS_OFF = {"watchdog": {"enabled": False}, "straggler": {"enabled": False}, "non_finite": {"policy": "none"}}
+ALONE = {name: {**MONITORS_OFF, name: MONITORS_ON[name]} for name in MONITORS_ON}  # one monitor on
 
 
 def part_monitors(a: argparse.Namespace, tmp: Path) -> dict:
@@ -476,19 +593,25 @@ def part_monitors(a: argparse.Namespace, tmp: Path) -> dict:
                   f"{statistics.median(cpu) * 1e3:.1f} ms/step (others' CPU {job['others']:.2f} cores)",
                   file=sys.stderr, flush=True)
     params = job["events"][0][0]["params"]
-    # Both configurations in one process, stepped alternately (see the worker).
-    job = run_job(tmp, "monitors-ab", on, config_b=off, steps=a.ab_steps, width=a.monitor_width, layers=a.layers,
-                  batch=a.batch)
-    ab: dict[str, dict[int, float]] = {"a": {}, "b": {}}
+    # Every configuration in one process, stepped in turn (see the worker): off, on, and each
+    # monitor alone.
+    names = list(ALONE)
+    alone = [_config(tmp, f"monitors-{n}", batch=a.batch, health=ALONE[n]) for n in names]
+    job = run_job(tmp, "monitors-alternating", off, more_configs=[on, *alone], steps=a.turn_steps,
+                  width=a.monitor_width, layers=a.layers, batch=a.batch, probe=2 + names.index("non_finite"))
+    labels = ["off", "on", *names]
+    per: dict[str, dict[int, float]] = {n: {} for n in labels}
     for r in range(2):
         for e in job["events"][r]:
             if e["event"] == "ab" and e["step"] > a.monitor_warmup:
-                ab[e["engine"]][e["step"]] = max(ab[e["engine"]].get(e["step"], 0.0), e["s"])
-    alt = {"on": [ab["a"][s] for s in sorted(ab["a"])], "off": [ab["b"][s] for s in sorted(ab["b"])],
-           "load_avg": job["load_avg"], "others": job["others"], "reruns": job["reruns"]}
-    print(f"monitors alternating in one process: on {statistics.median(alt['on']) * 1e3:.1f} ms/step, off "
-          f"{statistics.median(alt['off']) * 1e3:.1f} ms/step (others' CPU {job['others']:.2f} cores)",
-          file=sys.stderr, flush=True)
+                d = per[labels[e["engine"]]]
+                d[e["step"]] = max(d.get(e["step"], 0.0), e["s"])
+    alt = {n: [per[n][s] for s in sorted(per[n])] for n in labels}
+    alt.update(load_avg=job["load_avg"], others=job["others"], reruns=job["reruns"])
+    probes = [e for r in range(2) for e in job["events"][r] if e["event"] == "probe"]
+    alt["probe"] = {"norm_s": max(p["norm_s"] for p in probes), "check_s": max(p["check_s"] for p in probes)}
+    print("monitors in turn in one process: " + ", ".join(f"{n} {statistics.median(alt[n]) * 1e3:.1f}" for n in labels)
+          + f" ms/step (others' CPU {job['others']:.2f} cores)", file=sys.stderr, flush=True)
     return {"runs": runs, "alternating": alt, "params": params}
 
 
@@ -510,19 +633,23 @@ def _others(values: list[float], reruns: int = 0) -> None:
 
 def report(a: argparse.Namespace, results: dict) -> None:
     if "recovery" in results:
-        runs = results["recovery"]["runs"]
+        variants = results["recovery"]["runs"]
+        runs = variants["default"]
         r0 = runs[0]
         print(f"\n### Recovery from a killed rank\n\nMLP {a.layers + 1} x Linear({a.width}, {a.width}), "
               f"{r0['params'] / 1e6:.1f}M params, fp32, ZeRO-2, AdamW, 2 ranks x 1 thread (gloo), {a.batch} samples "
               f"per rank per step; checkpoint every {a.recovery_interval} steps ({r0['ckpt_bytes'] / 1e6:.0f} MB on "
-              f"disk), rank 1 SIGKILLed before step {r0['kill_step']}'s forward, `--max-restarts 1`; "
-              f"{len(runs)} runs, medians (range)\n")
-        print("| phase | seconds (median) | range |")
-        print("| --- | --- | --- |")
+              f"disk), rank 1 SIGKILLed before step {r0['kill_step']}'s forward, `--max-restarts 1`; {len(runs)} "
+              "runs of each configuration, interleaved: the default (`save_on_signal` on) and "
+              "`checkpoint.save_on_signal: false`; medians (range)\n")
+        print("| phase | default: s | range | save_on_signal off: s | range |")
+        print("| --- | --- | --- | --- | --- |")
         rows = [("detect + restart (kill → new worker processes exist)", "detect_restart_s"),
-                ("… of which kill → the surviving rank's collective fails", "survivor_error_s"),
-                ("… of which → its interpreter starts to exit (traceback)", "survivor_exit_s"),
-                ("… of which → torchrun has torn down and restarted both ranks", "teardown_restart_s"),
+                ("… kill → the surviving rank's collective fails (gloo: connection reset)", "survivor_error_s"),
+                ("… kill → torchrun sees the dead rank, SIGTERMs the survivor", "agent_sigterm_s"),
+                ("… SIGTERM → the survivor has exited (torchrun waits)", "survivor_exit_s"),
+                ("… kill → torchrun has every worker's exit", "agent_failed_s"),
+                ("… → new workers exist (torchrun's rendezvous + spawn)", "respawn_s"),
                 ("process start-up (→ initialize done, less the load)", "startup_s"),
                 ("… of which Python + imports (torch, terascale)", "imports_s"),
                 ("… of which building the model", "model_s"),
@@ -530,15 +657,20 @@ def report(a: argparse.Namespace, results: dict) -> None:
                 ("checkpoint load (auto-resume)", "load_s"),
                 ("first optimizer step after the restart", "first_step_s"),
                 ("(a steady-state step before the kill, for scale)", "steady_step_s"),
-                ("**total recovery** (kill → first step done)", "recovery_s")]
+                ("**total recovery** (kill → first step done)", "recovery_s"),
+                ("**recovery / (load + start-up)** (target ≤ 2)", "ratio")]
         for label, key in rows:
-            vals = [r[key] for r in runs if key in r]
-            if not vals:
-                continue
-            print(f"| {label} | {_med(vals):.2f} | {_span(vals)} |")
-        ratios = [r["ratio"] for r in runs]
-        print(f"| **recovery / (load + start-up)** (target ≤ 2) | **{_med(ratios):.2f}** | {_span(ratios)} |")
-        _others([r["others"] for r in runs], sum(r["reruns"] for r in runs))
+            cells = []
+            for variant in RECOVERY_VARIANTS:
+                vals = [r[key] for r in variants[variant] if r.get(key) is not None]
+                cells += [f"{_med(vals):.2f}", _span(vals)] if vals else ["–", "–"]
+            if any(c != "–" for c in cells):
+                bold = key in ("recovery_s", "ratio")
+                cells[0] = f"**{cells[0]}**" if bold else cells[0]
+                cells[2] = f"**{cells[2]}**" if bold else cells[2]
+                print(f"| {label} | " + " | ".join(cells) + " |")
+        every = [r for v in variants.values() for r in v]
+        _others([r["others"] for r in every], sum(r["reruns"] for r in every))
     if "interval" in results:
         runs = results["interval"]["runs"]
         base_mean = _med([r["mean_s"] for r in runs["None"]])
@@ -595,13 +727,13 @@ def report(a: argparse.Namespace, results: dict) -> None:
         cpu_off = _med([t for r in m["runs"]["off"] for t in r["cpu_s"]])
         pair = [x / y for x, y in zip(on, off)]
         alt = m["alternating"]
-        alt_ratio = [x / y for x, y in zip(alt["on"], alt["off"])]
-        q = statistics.quantiles(alt_ratio, n=4)
+        alone = [n for n in alt if n in ALONE]
         print(f"\n### Health monitors' step-time overhead\n\nMLP {a.layers + 1} x Linear({a.monitor_width}, "
               f"{a.monitor_width}), {m['params'] / 1e6:.1f}M params, ZeRO-2, 2 ranks; on = watchdog + straggler every "
               f"10 steps + non_finite 'skip', off = all three off. Separate runs: {len(on)} interleaved A/B pairs x "
               f"{a.monitor_steps - a.monitor_warmup} timed steps (first {a.monitor_warmup} dropped); one process: "
-              f"an engine of each stepped alternately (ABBA...), {len(alt['on'])} timed steps each\n")
+              f"an engine per configuration (off, on, each monitor alone), stepped in turn in a rotating order, "
+              f"{len(alt['on'])} timed steps each\n")
         print("| measurement | off ms/step | on ms/step | **on / off** (target ≤ 1.02) | spread |")
         print("| --- | --- | --- | --- | --- |")
         print(f"| separate runs, wall (median of all steps) | {all_off * 1e3:.1f} | {all_on * 1e3:.1f} | "
@@ -609,9 +741,18 @@ def report(a: argparse.Namespace, results: dict) -> None:
               f"{' / '.join(f'{x * 1e3:.0f}' for x in on)}; per pair {' / '.join(f'{x:.3f}' for x in pair)} |")
         print(f"| separate runs, CPU (both ranks, all threads) | {cpu_off * 1e3:.1f} | {cpu_on * 1e3:.1f} | "
               f"**{cpu_on / cpu_off:.3f}** | |")
-        print(f"| one process alternating, wall | {_med(alt['off']) * 1e3:.1f} | {_med(alt['on']) * 1e3:.1f} | "
-              f"**{_med(alt['on']) / _med(alt['off']):.3f}** | per-step ratios: median {_med(alt_ratio):.3f}, "
-              f"quartiles {q[0]:.3f}–{q[2]:.3f} |")
+        for n in ["on", *alone]:
+            ratio = [x / y for x, y in zip(alt[n], alt["off"])]
+            q = statistics.quantiles(ratio, n=4)
+            what = "all on" if n == "on" else f"{n} alone"
+            print(f"| one process in turn, wall: {what} | {_med(alt['off']) * 1e3:.1f} | {_med(alt[n]) * 1e3:.1f} | "
+                  f"{'**' if n == 'on' else ''}{_med(alt[n]) / _med(alt['off']):.3f}{'**' if n == 'on' else ''} | "
+                  f"per-step ratios: median {_med(ratio):.3f}, quartiles {q[0]:.3f}–{q[2]:.3f} |")
+        pr = alt["probe"]
+        print(f"\nnon_finite's own work, timed directly (median of 20, the slower rank): the global gradient norm "
+              f"{pr['norm_s'] * 1e3:.2f} ms (computed only for the check when gradient clipping and fp16 are off) + "
+              f"the verdict's all-gather {pr['check_s'] * 1e3:.2f} ms = "
+              f"{(pr['norm_s'] + pr['check_s']) / _med(alt['off']) * 100:.1f}% of the 'off' step")
         _others([r["others"] for rs in m["runs"].values() for r in rs] + [alt["others"]],
                 sum(r["reruns"] for rs in m["runs"].values() for r in rs) + alt["reruns"])
 
@@ -621,7 +762,7 @@ def main(argv: list[str]) -> None:
         worker(argv[1:])
         return
     a = parse_args(argv)
-    RERUN.update(max_others=a.max_others, budget_s=a.rerun_budget)
+    RERUN.update(max_others=a.max_others, budget_s=a.rerun_budget, wait_budget_s=a.wait_budget)
     results: dict = {}
     tmp = Path(tempfile.mkdtemp(prefix="ts_resilience_bench_", dir=a.dir))
     started = time.time()
@@ -636,9 +777,11 @@ def main(argv: list[str]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     results["wall_s"] = time.time() - started
     results["rerun_s"] = RERUN["spent_s"]
+    results["waited_s"] = RERUN["waited_s"]
     report(a, results)
-    print(f"\ntotal wall time {results['wall_s']:.0f} s ({results['rerun_s']:.0f} s of it in runs dropped because "
-          "other work shared the machine)", file=sys.stderr)
+    print(f"\ntotal wall time {results['wall_s']:.0f} s, of which {results['waited_s']:.0f} s waiting for other work "
+          f"to stop and {results['rerun_s']:.0f} s in runs dropped because other work shared the machine",
+          file=sys.stderr)
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(a), "results": results}, indent=1) + "\n")
