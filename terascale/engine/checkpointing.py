@@ -254,7 +254,7 @@ class Checkpointer:
         then copied here to the shared ``save_dir``, file by file, by the ranks that wrote
         them. A node lost takes its local copies with it, so resuming looks at both
         directories and loads the newest checkpoint that every rank can read completely
-        (``terascale.checkpoint.directory.newest_complete``).
+        (``Resilience._newest_complete`` in ``terascale.engine.resilience``).
         """
         tag, source, mirror, group, rank = job.tag, job.directory.root / job.tag, job.mirror, job.group, job.info.rank
         assert mirror is not None

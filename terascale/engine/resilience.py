@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from terascale.checkpoint.directory import CheckpointDirectory, verify
 from terascale.checkpoint.manifest import Manifest
-from terascale.health.non_finite import NonFiniteEvent, NonFinitePolicy, Verdict
+from terascale.health.non_finite import NonFiniteError, NonFiniteEvent, NonFinitePolicy, Verdict
 from terascale.health.straggler import StragglerDetector
 
 if TYPE_CHECKING:
@@ -129,8 +129,6 @@ class Resilience:
         engine.wait_for_checkpoint()
         folder = self._newest_complete()
         if folder is None:
-            from terascale.health.non_finite import NonFiniteError
-
             raise NonFiniteError(f"health.non_finite.policy 'rollback': no checkpoint in '{self.save_dir}' to go back to")
         step = engine.global_steps
         self.mark("load")
