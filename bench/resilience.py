@@ -190,8 +190,9 @@ def process_start_time() -> float:
 
 def probe_non_finite(engine: object, xy: tuple, mse: object, record: object, repeats: int = 20) -> None:
     """Time what ``health.non_finite`` adds to a step, on a window with gradients: the global
-    gradient norm (computed only for it when clipping and fp16 are off) and the collective
-    verdict (``Resilience.check_finite``: a one-element all-gather). Medians of ``repeats``."""
+    gradient norm (computed only for it when clipping and fp16 are off; every rank's loss flag
+    rides on its all-reduce) and the verdict (``Resilience.check_finite``: no collective for a
+    finite norm). Medians of ``repeats``."""
     import torch
 
     x, y = xy
@@ -751,7 +752,7 @@ def report(a: argparse.Namespace, results: dict) -> None:
         pr = alt["probe"]
         print(f"\nnon_finite's own work, timed directly (median of 20, the slower rank): the global gradient norm "
               f"{pr['norm_s'] * 1e3:.2f} ms (computed only for the check when gradient clipping and fp16 are off) + "
-              f"the verdict's all-gather {pr['check_s'] * 1e3:.2f} ms = "
+              f"the verdict {pr['check_s'] * 1e3:.2f} ms = "
               f"{(pr['norm_s'] + pr['check_s']) / _med(alt['off']) * 100:.1f}% of the 'off' step")
         _others([r["others"] for rs in m["runs"].values() for r in rs] + [alt["others"]],
                 sum(r["reruns"] for rs in m["runs"].values() for r in rs) + alt["reruns"])

@@ -204,6 +204,19 @@ def test_sigterm_saves_before_exit_and_the_job_resumes(uninterrupted: dict, tmp_
     assert_same(final(folder)["state"], uninterrupted["state"], exact=True)
 
 
+def test_sigterm_with_a_lost_peer_exits_without_waiting_for_the_deadline(tmp_path: Path) -> None:
+    # Rank 1 signals rank 0 and then never reaches the next collective, as a dead peer
+    # would not: rank 0, blocked in that collective, gives up after deadline / 5 = 1 s
+    # instead of holding the restart back until the deadline.
+    cfg = config(tmp_path, checkpoint={"signal_deadline_s": 5})
+    rc, out, _ = train(tmp_path, cfg, "run", "--fault", "termpeer:4:1", timeout=120)
+    assert rc != 0
+    assert "SIGTERM, then blocked for 1.0 s in" in out and "a peer is probably gone" in out, out[-4000:]
+    # Rank 1, signalled by torchrun while it waits outside any collective, is ended by the deadline.
+    assert "no checkpoint finished within 5 s" in out, out[-4000:]
+    assert CheckpointDirectory(tmp_path / "ckpt").latest() == "global_step3"
+
+
 def test_disk_full_during_a_save_names_the_file_and_keeps_the_last_checkpoint(tmp_path: Path) -> None:
     rc, out, _ = train(tmp_path, config(tmp_path), "run", "--fault", "enospc:5:1")
     assert rc != 0

@@ -187,15 +187,21 @@ def global_grad_norm(
 
 
 def global_grad_sq_norm(
-    grads: Sequence[torch.Tensor], group: ProcessGroup | None = None, device: torch.device | None = None
+    grads: Sequence[torch.Tensor],
+    group: ProcessGroup | None = None,
+    device: torch.device | None = None,
+    extra: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The squared L2 norm of all ``grads`` taken together (see :func:`global_grad_norm`)."""
+    """The squared L2 norm of all ``grads`` taken together (see :func:`global_grad_norm`);
+    ``extra`` (0-d) is added to this rank's part before the sum over ``group``."""
     if grads:
         fp32 = [g for g in grads if g.dtype == torch.float32]
         norms = [*_chunk_norms(fp32), *(l2_norm(g) for g in grads if g.dtype != torch.float32)]
         total_sq = torch.stack([n.float() for n in norms]).square().sum()
     else:
         total_sq = torch.zeros((), dtype=torch.float32, device=device)
+    if extra is not None:
+        total_sq = total_sq + extra
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(total_sq, group=group)
     return total_sq

@@ -226,7 +226,8 @@ class Engine(nn.Module):
             self.micro_steps += 1
             return
         self.timers.start("step")
-        kept = self._optimizer_step()
+        with self._resilience.phase("step", timed=False):
+            kept = self._optimizer_step()
         self.timers.stop("step")
         if not kept:  # rolled back: the checkpoint's counters stand
             return
@@ -308,7 +309,8 @@ class Engine(nn.Module):
         """
         if self._window_norm is None:
             self._sum_tied_grads()
-            self._window_norm = self._parallel.grad_norm(self._state) / self.loss_scaler.scale
+            extra = self._resilience.loss_flag()
+            self._window_norm = self._parallel.grad_norm(self._state, extra) / self.loss_scaler.scale
         return self._window_norm
 
     def _sum_tied_grads(self) -> None:
@@ -321,7 +323,6 @@ class Engine(nn.Module):
         """Update from this window's gradients (or skip); False when it rolled back to a
         checkpoint instead (``health.non_finite.policy`` rollback)."""
         self._checkpointer.before_update()  # an asynchronous save may still read the state
-        self._resilience.mark("step")
         scale = self.loss_scaler.scale
         norm = None
         clip = self.config.gradient_clipping

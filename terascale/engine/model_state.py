@@ -6,9 +6,10 @@ gradients and optimizer state, and that is behind :class:`ModelState`:
 
 - ``prepare_backward(sync)`` / ``post_backward()`` bracket each backward (``sync`` on the
   last micro-step of a window: gradients are reduced over the data-parallel ranks);
-- ``grad_sq_norm(skip)`` is the squared norm of the reduced, still loss-scaled gradients
-  over the data-parallel group, leaving out the parameters in ``skip`` (model-parallel
-  copies another rank counts, see ``terascale/engine/parallel.py``);
+- ``grad_sq_norm(skip, extra)`` is the squared norm of the reduced, still loss-scaled
+  gradients over the data-parallel group, leaving out the parameters in ``skip``
+  (model-parallel copies another rank counts, see ``terascale/engine/parallel.py``), plus
+  every data-parallel rank's ``extra`` (the non-finite check's loss flag);
 - ``sum_grads(params, group)`` sums the reduced gradients of ``params`` over ``group``
   (tied copies on other pipeline stages);
 - ``step(optimizer, multiplier)`` scales the gradients by ``multiplier`` (unscale and clip
@@ -60,7 +61,7 @@ class ModelState(Protocol):
 
     def post_backward(self) -> None: ...
 
-    def grad_sq_norm(self, skip: Collection[int] = frozenset()) -> torch.Tensor: ...
+    def grad_sq_norm(self, skip: Collection[int] = frozenset(), extra: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def sum_grads(self, params: Sequence[nn.Parameter], group: ProcessGroup) -> None: ...
 
@@ -149,12 +150,18 @@ class ReplicatedState:
         """Seconds this rank has spent blocked waiting for gradient all-reduces."""
         return self._buckets.blocked_s
 
-    def grad_sq_norm(self, skip: Collection[int] = frozenset()) -> torch.Tensor:
+    def grad_sq_norm(self, skip: Collection[int] = frozenset(), extra: torch.Tensor | None = None) -> torch.Tensor:
         self._finish()
         # Gradients are replicated after the all-reduce, so no group is needed here.
         skipped = {id(self._masters.master_of(p)) for p in self._masters.model_params if id(p) in skip}
         grads = [m.grad for m in self._masters.masters if m.grad is not None and id(m) not in skipped]
-        return global_grad_sq_norm(grads, device=self._device)
+        sq = global_grad_sq_norm(grads, device=self._device)
+        if extra is not None:  # every rank's extra, summed: one scalar all-reduce
+            extra = extra.detach().clone()
+            if self._group is not None and dist.get_world_size(self._group) > 1:
+                dist.all_reduce(extra, group=self._group)
+            sq = sq + extra
+        return sq
 
     @torch.no_grad()
     def sum_grads(self, params: Sequence[nn.Parameter], group: ProcessGroup) -> None:

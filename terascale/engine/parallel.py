@@ -104,10 +104,11 @@ class ParallelLayout:
         for tie in self.ties:
             state.sum_grads(tie.params, tie.group)
 
-    def grad_norm(self, state: ModelState) -> torch.Tensor:
+    def grad_norm(self, state: ModelState, extra: torch.Tensor | None = None) -> torch.Tensor:
         """The global L2 norm of the window's reduced gradients, every parameter counted
-        once (collective over the world); still loss-scaled."""
-        sq = state.grad_sq_norm(self.skip)
+        once (collective over the world); still loss-scaled. Every rank's ``extra`` (0-d)
+        is added to the squared norm: a NaN there makes the norm NaN everywhere."""
+        sq = state.grad_sq_norm(self.skip, extra)
         group = self.dist.replica_group
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(sq, group=group)

@@ -20,8 +20,6 @@ before an update and :meth:`after_step` after it; nothing here branches on the Z
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -35,14 +33,14 @@ import torch.distributed as dist
 from terascale.checkpoint.directory import CheckpointDirectory, verify
 from terascale.checkpoint.manifest import Manifest
 from terascale.health.non_finite import NonFiniteError, NonFiniteEvent, NonFinitePolicy, Verdict
+from terascale.health.sigterm import SIGTERM_EXIT_CODE, SigtermWatch
 from terascale.health.straggler import StragglerDetector
+from terascale.health.watchdog import waiting_in
 
 if TYPE_CHECKING:
     from terascale.engine.engine import Engine
 
 logger = logging.getLogger("terascale")
-
-SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 
 
 class Resilience:
@@ -77,7 +75,10 @@ class Resilience:
             from terascale.health.watchdog import CollectiveWatchdog
 
             self._watchdog = CollectiveWatchdog(engine.dist, timeout_s=health.watchdog.timeout_s, blocked_only=True)
-        self._signal = _SignalSave(ck.signal_deadline_s) if ck.save_on_signal and self.save_dir else None
+        self._signal = None
+        if ck.save_on_signal and self.save_dir:
+            training_thread = threading.get_ident()
+            self._signal = SigtermWatch(ck.signal_deadline_s, lambda: waiting_in(training_thread, engine.dist))
 
     @property
     def checks_non_finite(self) -> bool:
@@ -92,22 +93,48 @@ class Resilience:
     # -- during the step -----------------------------------------------------------------------
 
     @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Mark ``name`` (forward/backward) for the watchdog and time it for the straggler check."""
-        if self._watchdog is not None:
-            self._watchdog.progress(self.engine.micro_steps, name)
-        with self._straggler.phase() if self._straggler is not None else nullcontext():
+    def phase(self, name: str, timed: bool = True) -> Iterator[None]:
+        """Mark ``name`` (forward/backward/step) for the watchdog, time it for the straggler
+        check when ``timed``, and tell the SIGTERM watch if an exception leaves it."""
+        self.mark(name)
+        with self.guard(), self._straggler.phase() if self._straggler is not None and timed else nullcontext():
             yield
 
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """Tell the SIGTERM watch when an error leaves the block: a SIGTERM then ends the
+        process at once ([Note: saving on SIGTERM])."""
+        try:
+            yield
+        except Exception:
+            if self._signal is not None:
+                self._signal.failed()
+            raise
+
     def mark(self, name: str) -> None:
-        """Tell the watchdog this rank reached ``name`` (step, save, load, ...)."""
+        """Tell the watchdog (and the SIGTERM watch) this rank reached ``name`` (step, save, load, ...)."""
         if self._watchdog is not None:
             self._watchdog.progress(self.engine.micro_steps, name)
+        if self._signal is not None:
+            self._signal.progressed()
+
+    def loss_flag(self) -> torch.Tensor | None:
+        """With the non-finite check on: this rank's window loss as a term for the gradient
+        norm's sum, 0 when finite and NaN when not, so that one all-reduce carries both
+        (a bad loss anywhere makes the global norm NaN); None with the check off."""
+        if not self.checks_non_finite:
+            return None
+        loss = self.engine._window_loss
+        return torch.where(torch.isfinite(loss), 0.0, float("nan")).to(torch.float32)
 
     def check_finite(self, norm: torch.Tensor) -> Verdict:
-        """Collective over every rank: the fate of the step whose global gradient norm is
-        ``norm`` (see ``terascale.health.non_finite``); raises NonFiniteError to stop."""
+        """The fate of the step whose global gradient norm (with every rank's loss flag,
+        :meth:`loss_flag`) is ``norm`` (see ``terascale.health.non_finite``); raises
+        NonFiniteError to stop. Collective only when the norm is not finite: the ranks
+        then name whose loss it was."""
         engine = self.engine
+        if bool(torch.isfinite(norm)):
+            return self._non_finite.verdict(None)
         loss_bad = torch.tensor([0.0 if bool(torch.isfinite(engine._window_loss)) else 1.0], device=engine.device)
         flags = [torch.empty_like(loss_bad) for _ in range(self._world)]
         if self._world > 1:
@@ -115,8 +142,7 @@ class Resilience:
         else:
             flags = [loss_bad]
         ranks = tuple(r for r, f in enumerate(flags) if float(f) > 0)
-        value = float(norm)
-        event = None if ranks == () and torch.isfinite(norm) else NonFiniteEvent(engine.global_steps + 1, value, ranks)
+        event = NonFiniteEvent(engine.global_steps + 1, float(norm), ranks)
         verdict = self._non_finite.verdict(event)
         if event is not None and engine._reports:
             logger.warning("%s: %s", event.describe(), {"skip": "step skipped", "rollback": "rolling back"}[verdict])
@@ -139,6 +165,10 @@ class Resilience:
 
     def after_step(self) -> None:
         """After an optimizer step: the straggler check, then the saves that are due."""
+        with self.guard():
+            self._after_step()
+
+    def _after_step(self) -> None:
         engine = self.engine
         step = engine.global_steps
         if self._straggler is not None:
@@ -179,15 +209,12 @@ class Resilience:
         return bool(flags[0] > 0), bool(flags[1] > 0)
 
     def _save_and_exit(self) -> None:
-        """[Note: saving on SIGTERM] Schedulers announce a preemption with SIGTERM and
-        kill the process a grace period later (torchrun's agent: 30 s). The handler only
-        records the signal (the main thread may be inside a collective); at the next
-        optimizer step the ranks agree that one of them got it, save synchronously to
-        ``save_dir`` (not ``local_dir``: the node may not come back) and exit with 143. A
-        timer started by the handler ends the process at ``signal_deadline_s`` whatever
-        it is doing; the atomic save protocol leaves the previous checkpoint intact then."""
+        """Every rank saw that one of them got SIGTERM ([Note: saving on SIGTERM]): save
+        synchronously to ``save_dir`` (not ``local_dir``: the node may not come back) and
+        exit with 143; the watch's deadline still ends the process if the save hangs."""
         engine = self.engine
         assert self.save_dir is not None and self._signal is not None
+        self._signal.saving()
         started = time.monotonic()
         try:
             engine.wait_for_checkpoint()
@@ -291,41 +318,3 @@ def _step_of(folder: Path) -> int:
         return int(Manifest.read(folder).engine["global_steps"])
     except Exception:  # noqa: BLE001 - unreadable: verify() will say why
         return -1
-
-
-class _SignalSave:
-    """Records SIGTERM (in the main thread, where Python runs handlers) and arms the
-    deadline that ends the process ``deadline_s`` later whatever it is doing."""
-
-    def __init__(self, deadline_s: float) -> None:
-        self.deadline_s = deadline_s
-        self.received_at = 0.0
-        self._previous: Any = None
-        self._installed = threading.current_thread() is threading.main_thread()
-        if self._installed:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-    @property
-    def received(self) -> bool:
-        return self.received_at > 0
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.received:
-            return
-        self.received_at = time.monotonic()
-        timer = threading.Timer(self.deadline_s, _deadline_passed, args=(self.deadline_s,))
-        timer.daemon = True
-        timer.start()
-        if callable(self._previous) and self._previous not in (signal.SIG_IGN, signal.SIG_DFL):
-            self._previous(signum, frame)
-
-    def uninstall(self) -> None:
-        if self._installed:
-            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
-            self._installed = False
-
-
-def _deadline_passed(deadline_s: float) -> None:
-    logger.error("SIGTERM: no checkpoint finished within %.0f s (checkpoint.signal_deadline_s); exiting "
-                 "without it, the previous checkpoint is intact", deadline_s)  # fmt: skip
-    os._exit(SIGTERM_EXIT_CODE)

@@ -1,8 +1,10 @@
 """What a NaN or Inf in the loss or the gradients does to a run (``health.non_finite``).
 
-The engine detects it once per optimizer step, on every rank alike: the global gradient
-norm is the same number everywhere (non-finite if any rank's gradients are), and the
-ranks exchange one flag each for their own loss. :class:`NonFinitePolicy` turns that into
+The engine detects it once per optimizer step, on every rank alike, from the global
+gradient norm: the same number everywhere, non-finite if any rank's gradients are, and
+made NaN by any rank whose loss is not finite (each rank adds 0 or NaN for its loss to the
+norm's sum, so one all-reduce carries both). Only then do the ranks exchange their loss
+flags, to name the ranks. :class:`NonFinitePolicy` turns that into
 the step's fate: ``skip`` (the update is not applied, as an fp16 overflow is),
 ``stop`` (:class:`NonFiniteError`), or ``rollback`` (back to the last checkpoint; the
 data that caused it stays consumed, so the run does not meet it again).
@@ -10,7 +12,6 @@ data that caused it stays consumed, so the run does not meet it again).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -30,13 +31,12 @@ class NonFiniteEvent:
     loss_ranks: tuple[int, ...]
 
     def describe(self) -> str:
-        parts = []
-        if not math.isfinite(self.grad_norm):
-            parts.append(f"the global gradient norm is {self.grad_norm}")
-        if self.loss_ranks:
-            parts.append(f"the loss is not finite on rank{'s' if len(self.loss_ranks) > 1 else ''} "
-                         + ", ".join(map(str, self.loss_ranks)))
-        return f"non-finite values at step {self.step}: " + " and ".join(parts)
+        if self.loss_ranks:  # the norm carries the loss flags then: its value says nothing more
+            where = (f"the loss is not finite on rank{'s' if len(self.loss_ranks) > 1 else ''} "
+                     + ", ".join(map(str, self.loss_ranks)))
+        else:
+            where = f"the global gradient norm is {self.grad_norm}"
+        return f"non-finite values at step {self.step}: {where}"
 
 
 class NonFinitePolicy:

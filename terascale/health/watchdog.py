@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from terascale.comm.groups import DistributedContext
 
-__all__ = ["WATCHDOG_EXIT_CODE", "CollectiveWatchdog"]
+__all__ = ["WATCHDOG_EXIT_CODE", "CollectiveWatchdog", "waiting_in"]
 
 logger = logging.getLogger("terascale")
 
@@ -166,10 +166,7 @@ class CollectiveWatchdog:
         self._publish(self._state, 0.0, closed=True)
 
     def _may_report(self, state: tuple) -> bool:
-        if not self._blocked_only:
-            return True
-        where = _where(sys._current_frames().get(state[4]), self.ctx)
-        return where is not None and (where.op is not None or where.waiting)
+        return not self._blocked_only or waiting_in(state[4], self.ctx) is not None
 
     def _publish(self, state: tuple, stalled: float, closed: bool = False) -> None:
         """One small ``store.set``: where this rank is, and once stalled, what it waits in."""
@@ -287,6 +284,14 @@ class CollectiveWatchdog:
             except OSError as e:
                 print(f"terascale watchdog: could not write {error_file}: {e}", file=sys.stderr, flush=True)
         os._exit(WATCHDOG_EXIT_CODE)
+
+
+def waiting_in(thread_id: int, ctx: DistributedContext) -> str | None:
+    """The collective (or async handle) thread ``thread_id`` waits in, as a phrase with its
+    call site ("all_reduce on the data-parallel group (ranks [0, 1]) at ..."); None when
+    the thread is not waiting on a peer."""
+    where = _where(sys._current_frames().get(thread_id), ctx)
+    return where.summary() if where is not None and (where.op is not None or where.waiting) else None
 
 
 def _private_store(store: dist.Store | None) -> dist.Store | None:

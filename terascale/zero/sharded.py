@@ -253,7 +253,7 @@ class ShardedState:
         if self.schedule is not None:
             self.schedule.post_backward()
 
-    def grad_sq_norm(self, skip: Collection[int] = frozenset()) -> torch.Tensor:
+    def grad_sq_norm(self, skip: Collection[int] = frozenset(), extra: torch.Tensor | None = None) -> torch.Tensor:
         """The squared L2 norm of the window's reduced gradients over the data-parallel
         group (every rank's shards together), leaving out the groups of the parameters
         whose ids are in ``skip`` (whole groups: see [Note: parameter classes])."""
@@ -261,10 +261,10 @@ class ShardedState:
         swapper = self.grads.swapper
         if swapper is not None:  # norms taken as the shards went to disk; the norm of norms
             norms = [n.to(self.device) for g, n in enumerate(swapper.norms) if n is not None and g not in skipped]
-            return global_grad_sq_norm(norms, self.group, device=self.device)
+            return global_grad_sq_norm(norms, self.group, device=self.device, extra=extra)
         pieces = self.masters.grad_pieces(self.grads.shards)
         kept = [t for t, piece in zip(pieces, self.masters.pieces) if piece.group not in skipped]
-        return global_grad_sq_norm(kept, self.group, device=self.device)
+        return global_grad_sq_norm(kept, self.group, device=self.device, extra=extra)
 
     @torch.no_grad()
     def sum_grads(self, params: Sequence[nn.Parameter], group: ProcessGroup) -> None:

@@ -12,6 +12,8 @@ a named step on one rank, so they are the same on any machine:
   --fault leave:STEP:RANK        SIGKILL this rank's torchrun agent and itself (a node lost)
   --fault hang:STEP:RANK         block forever before the forward of STEP
   --fault sigterm:STEP:RANK      send SIGTERM to this rank before the forward of STEP
+  --fault termpeer:STEP:RANK     send SIGTERM to the other rank, then block forever, before
+                                 the forward of STEP (a signalled survivor of a lost peer)
   --fault nan:STEP:RANK          make RANK's gradient of one weight NaN in STEP
   --fault nanloss:STEP:RANK      make RANK's loss NaN in STEP
   --fault enospc:STEP:RANK       from STEP on, every write by RANK fails with ENOSPC
@@ -99,6 +101,7 @@ def train(args: argparse.Namespace) -> None:
     if fault.kind == "slow" and rank == fault.rank:  # slower compute: inside the forward
         engine.module.register_forward_pre_hook(lambda module, inputs: time.sleep(0.2))
     log = open(out / "steps.jsonl", "a", buffering=1) if rank == 0 else None
+    (out / f"pid{rank}").write_text(str(os.getpid()))
     mse = nn.MSELoss()
     epoch, batches = loader.sampler.epoch, iter(loader)
     window_loss = 0.0
@@ -117,7 +120,9 @@ def train(args: argparse.Namespace) -> None:
             if fault.kind == "leave":
                 os.kill(os.getppid(), signal.SIGKILL)
                 os.kill(os.getpid(), signal.SIGKILL)
-            if fault.kind == "hang":
+            if fault.kind == "termpeer":
+                os.kill(int((out / f"pid{1 - rank}").read_text()), signal.SIGTERM)
+            if fault.kind in ("hang", "termpeer"):
                 threading.Event().wait()
             if fault.kind == "sigterm":
                 fault.armed = False
