@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import time
@@ -24,6 +25,7 @@ import psutil
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 import terascale
 from gpt import DEMO_CONFIG, GPT, ByteBlocks, GPTConfig, decode, encode, flops_per_iteration, load_stdlib_corpus
@@ -121,6 +123,16 @@ def save_loss_plot(path: Path, losses: list[float], evals: list[tuple[int, float
     plt.close(fig)
 
 
+def observed(config_path: str, out: Path) -> dict:
+    """The config, with the engine's metrics going to ``out/monitor`` (for ``terascale
+    report``) and a flops profile, when the config asks for one, to ``out/flops_profile.txt``."""
+    config = json.loads(Path(config_path).read_text())
+    config.setdefault("csv_monitor", {"enabled": True, "output_path": str(out / "monitor"), "job_name": "demo"})
+    if config.get("flops_profiler", {}).get("enabled"):
+        config["flops_profiler"].setdefault("output_file", str(out / "flops_profile.txt"))
+    return config
+
+
 def main(argv: list[str] | None = None) -> dict:
     wall_start = time.perf_counter()
     args = parse_args(argv)
@@ -135,7 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     num_params = model.num_parameters()  # before ZeRO-3 shards the parameters away
     make_nvme_dirs(args.config)
-    engine, _, loader, _ = terascale.initialize(model=model, config=args.config, training_data=train_data)
+    engine, _, loader, _ = terascale.initialize(model=model, config=observed(args.config, Path(args.out)),
+                                                training_data=train_data)  # fmt: skip
     cfg = engine.config
     steps = args.steps
     if steps is None:
@@ -172,47 +185,50 @@ def main(argv: list[str] | None = None) -> dict:
     # A resumed run continues its epoch where the checkpoint's sampler position left it.
     epoch, batches = loader.sampler.epoch, iter(loader)
     window_loss, t0 = 0.0, time.perf_counter()
-    while engine.global_steps < steps:
-        try:
-            x, y = next(batches)
-        except StopIteration:
-            epoch += 1
-            loader.sampler.set_epoch(epoch)
-            batches = iter(loader)
-            continue
-        loss = engine(x, y)
-        engine.backward(loss)
-        window_loss += loss.item() / gas
-        boundary = engine.is_gradient_accumulation_boundary()
-        engine.step()
-        if not boundary:
-            continue
-        step_loss, mem = gather_stats(engine, window_loss)
-        now = time.perf_counter()
-        step_times.append(now - t0)
-        losses.append(step_loss)
-        window_loss, t0 = 0.0, now
-        recent = step_times[-10:]
-        step_time = sum(recent) / len(recent)
-        bar.set_postfix_str(
-            f"loss={step_loss:.3f} tok/s={tokens_per_step / step_time:,.0f} "
-            f"TFLOP/s={flops_per_step / step_time / 1e12:.4f} "
-            f"mem/rank={'/'.join(f'{m:.0f}' for m in mem)}MiB lr={engine.get_lr()[0]:.2e}",
-            refresh=False,
-        )
-        bar.update(1)
-        if engine.global_steps % args.eval_every == 0 or engine.global_steps == steps:
-            held = evaluate(engine, held_out, engine.micro_batch_size, args.eval_batches)
-            evals.append((engine.global_steps, held))
-            if is_main:
-                bar.write(f"step {engine.global_steps}: train loss {step_loss:.3f}, held-out loss {held:.3f}")
-            t0 = time.perf_counter()  # evaluation time is not training time
-        if args.save_every and engine.global_steps % args.save_every == 0:
-            engine.save_checkpoint(Path(args.out) / "checkpoints")
-            if is_main:
-                bar.write(f"step {engine.global_steps}: checkpoint saved in {engine.last_checkpoint_stall_s:.2f} s "
-                          f"to {Path(args.out) / 'checkpoints'}")
-            t0 = time.perf_counter()
+    # The engine's print line (every steps_per_print) goes above the progress bar.
+    with logging_redirect_tqdm(loggers=[logging.getLogger("terascale")]):
+        while engine.global_steps < steps:
+            try:
+                x, y = next(batches)
+            except StopIteration:
+                epoch += 1
+                loader.sampler.set_epoch(epoch)
+                batches = iter(loader)
+                continue
+            loss = engine(x, y)
+            engine.backward(loss)
+            window_loss += loss.item() / gas
+            boundary = engine.is_gradient_accumulation_boundary()
+            engine.step()
+            if not boundary:
+                continue
+            step_loss, mem = gather_stats(engine, window_loss)
+            now = time.perf_counter()
+            step_times.append(now - t0)
+            losses.append(step_loss)
+            window_loss, t0 = 0.0, now
+            recent = step_times[-10:]
+            step_time = sum(recent) / len(recent)
+            bar.set_postfix_str(
+                f"loss={step_loss:.3f} tok/s={tokens_per_step / step_time:,.0f} "
+                f"TFLOP/s={flops_per_step / step_time / 1e12:.4f} "
+                f"mem/rank={'/'.join(f'{m:.0f}' for m in mem)}MiB lr={engine.get_lr()[0]:.2e}",
+                refresh=False,
+            )
+            bar.update(1)
+            if engine.global_steps % args.eval_every == 0 or engine.global_steps == steps:
+                held = evaluate(engine, held_out, engine.micro_batch_size, args.eval_batches)
+                evals.append((engine.global_steps, held))
+                engine.log_metrics({"Eval/loss": held})
+                if is_main:
+                    bar.write(f"step {engine.global_steps}: train loss {step_loss:.3f}, held-out loss {held:.3f}")
+                t0 = time.perf_counter()  # evaluation time is not training time
+            if args.save_every and engine.global_steps % args.save_every == 0:
+                engine.save_checkpoint(Path(args.out) / "checkpoints")
+                if is_main:
+                    bar.write(f"step {engine.global_steps}: checkpoint saved in {engine.last_checkpoint_stall_s:.2f} s "
+                              f"to {Path(args.out) / 'checkpoints'}")
+                t0 = time.perf_counter()
     bar.close()
 
     # Throughput excludes the first step (warm-up: allocator, lazy init, first collectives).
@@ -250,6 +266,12 @@ def main(argv: list[str] | None = None) -> dict:
         metrics["wall_time_s"] = time.perf_counter() - wall_start
         metrics["loss_curve"] = losses
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        report = None
+        monitor = engine.config.csv_monitor
+        if monitor.enabled:
+            from terascale.profiling.report import build_report
+
+            report = build_report(Path(monitor.output_path) / monitor.job_name, out / "report")
         if args.compare_with:
             other = json.loads(Path(args.compare_with).read_text())
             theirs = other["loss_curve"][start_step - other.get("start_step", 0) :][: len(losses)]
@@ -262,7 +284,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"held-out {metrics['held_out_loss_start']:.3f} -> {metrics['held_out_loss_end']:.3f}\n"
             f"{metrics['tokens_per_s']:,.0f} tokens/s, {metrics['tflops']:.4f} TFLOP/s, "
             f"memory/rank {'/'.join(f'{m:.0f}' for m in mem)} MiB, wall time {metrics['wall_time_s']:.0f} s\n"
-            f"wrote {out / 'loss.png'}, {out / 'metrics.json'}, {out / 'sample.txt'}",
+            f"wrote {out / 'loss.png'}, {out / 'metrics.json'}, {out / 'sample.txt'}"
+            + (f", the run report {report}" if report else ""),
             flush=True,
         )
     engine.destroy()

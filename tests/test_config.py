@@ -567,7 +567,8 @@ def test_require_built_lists_everything_at_once() -> None:
         {
             "zero_optimization": {"stage": 2, "zero_quantized_gradients": True},
             "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True},
-            "flops_profiler": {"enabled": True},
+            "flops_profiler": {"enabled": True},  # built
+            "comms_logger": {"enabled": True},  # built
             "elasticity": {"enabled": True, "max_train_batch_size": 64, "micro_batch_sizes": [2, 4]},  # built
             "compression_training": {"sparse_pruning": {"shared_parameters": {"enabled": True}}},
             "sparse_gradients": True,
@@ -577,7 +578,6 @@ def test_require_built_lists_everything_at_once() -> None:
     settings = [p.split(": ", 1)[0] for p in problems]
     assert settings == [
         "zero_optimization.zero_quantized_gradients=true",
-        "flops_profiler.enabled=true",
         "checkpoint.use_node_local_storage=true",
         "compression_training.sparse_pruning.shared_parameters.enabled=true",
     ]

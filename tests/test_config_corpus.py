@@ -10,6 +10,7 @@ with a tiny model for two optimizer steps; see tests/corpus.py for the harness.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -35,7 +36,9 @@ EXPECTED: dict[str, str | None] = {
     "dsdocs_autotuning_micro_auto.json": "autotuning is not built yet",
     "dsdocs_curriculum_gpt2_seqlen.json": "curriculum learning is not built yet",
     "dsdocs_lrrt_lrrangetest.json": None,
-    "dsdocs_monitors_profilers.json": "communication logger is not built yet",
+    # Monitors, the comms logger and the flops profiler: it trains where tensorboard is installed.
+    "dsdocs_monitors_profilers.json": None if importlib.util.find_spec("tensorboard")
+    else "the 'tensorboard' package is not installed",
     "dsdocs_warmup_cosine_bf16.json": None,
     "dsdocs_zenflow_auto.json": "ZenFlow is not built yet",
     "dsdocs_zero_infinity_nvme.json": None,
@@ -111,7 +114,8 @@ def test_the_corpus_trains_or_names_the_unbuilt_feature(tmp_path):
         else:
             wrong.append(f"{name}: expected {'training' if want is None else repr(want)}, got {kind}: {str(value)[:400]}")
     assert not wrong, "\n".join(wrong)
-    assert len(trained) == 45 and len(refused) == 16, (len(trained), len(refused))
+    expected_trained = sum(want is None for want in EXPECTED.values())
+    assert (len(trained), len(refused)) == (expected_trained, len(EXPECTED) - expected_trained)
     assert not list(nvme.rglob("*.swp")), "swap files left behind"
 
 

@@ -56,9 +56,20 @@ def test_logs_timers_memory_and_csv(tmp_path: Path):
     # Printed every 2 optimizer steps, by data-parallel rank 0 only.
     assert [m.split()[0] for m in step_lines] == ["step=2", "step=4"]
     assert all("loss_scale=" in m and "skipped=0" in m for m in step_lines)
-    assert sum(m.startswith("time (2 steps)") for m in messages) == 2
-    assert any("forward" in m and "backward" in m and "step" in m for m in messages if m.startswith("time"))
-    assert sum(m.startswith("memory: rss") for m in messages) == 2
+    # One line per print: throughput, every rank's memory (the max), the time breakdown.
+    for m in step_lines:
+        assert " samples/s" in m and "memory (max over ranks): rss " in m, m
+        assert "| ms/step: forward " in m and " backward " in m and " step " in m, m
+        assert "| waits: gather 0.0 reduce " in m and " io 0.0" in m, m
+    # The same numbers go to the monitors at print steps, memory for each rank.
+    for name in ("Throughput_samples_per_s", "Memory_rank0_host_rss_gb", "Memory_rank1_host_rss_gb",
+                 "Time_forward_ms", "Time_backward_ms", "Time_step_ms", "Time_grad_reduce_ms"):
+        with open(tmp_path / "job" / f"{name}.csv") as f:
+            rows = list(csv.reader(f))
+        assert [int(r[0]) for r in rows[1:]] == [16, 32], name
+        assert all(float(r[1]) >= 0 for r in rows[1:]), name
+    with open(tmp_path / "job" / "Memory_rank1_host_rss_gb.csv") as f:
+        assert all(0.05 < float(r[1]) < 64 for r in list(csv.reader(f))[1:])  # a process's RSS in GB
     # The CSV monitor writes one file per metric, one row per optimizer step, keyed by samples.
     with open(tmp_path / "job" / "Train_Samples_train_loss.csv") as f:
         rows = list(csv.reader(f))

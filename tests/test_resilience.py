@@ -146,7 +146,9 @@ def test_lose_a_node_for_good_continue_on_one(uninterrupted: dict, tmp_path: Pat
     cfg, port = config(tmp_path, elasticity=elastic), free_port()
     (tmp_path / "run").mkdir()
     args = ["run", "--nnodes", "1:2", "--nproc", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
-            "--rdzv_conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2", "--max-restarts", "2", str(SCRIPT), "--config", str(cfg),
+            # last_call_timeout: how long the first agent waits for the second to join the first
+            # rendezvous (the second starts once the first listens: seconds on a busy machine).
+            "--rdzv_conf", "last_call_timeout=4,keep_alive_interval=1,keep_alive_max_attempt=2", "--max-restarts", "2", str(SCRIPT), "--config", str(cfg),
             "--out", str(tmp_path / "run"), "--steps", str(STEPS), "--fault", "leave:5:1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = []

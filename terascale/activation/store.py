@@ -231,7 +231,7 @@ class InputStore:
         self._cleanup = None
         if options.tier == "nvme":
             self._dir = SwapDirectory(options.nvme_path, "activations", rank)
-            self._aio = AsyncIO(options.aio)
+            self._aio = AsyncIO(options.aio, trace_name="terascale::swap")
             # Swap files go with the store, or at interpreter exit for a store nobody closed
             # (the module-level API's).
             self._cleanup = weakref.finalize(self, _close_tier, self._aio, self._dir)

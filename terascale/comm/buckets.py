@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from terascale.comm import ops
 from terascale.comm.sparse import CommStats, SparseGather, accumulate_sparse, all_gather_sparse, coalesce_rows
 
 
@@ -248,7 +249,8 @@ class GradientBuckets:
             bucket.comm_buffer = tensor = tensor.to(policy.comm_dtype)
         bucket.launched = True
         if self._world > 1:
-            bucket.work = dist.all_reduce(tensor, group=self._group, async_op=True)
+            with ops.named_range("terascale::all_reduce bucket", self._next_launch):
+                bucket.work = ops.all_reduce(tensor, group=self._group, async_op=True)
             self.comm.all_reduce(tensor, self._world)
 
     def _launch_sparse(self, index: int) -> SparseGather:

@@ -9,6 +9,8 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed import ProcessGroup
 
+from terascale.comm import ops
+
 # Broadcast in chunks so start-up never needs a second copy of the whole model.
 _BROADCAST_BUCKET_BYTES = 64 * 1024 * 1024
 
@@ -28,7 +30,7 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], group: ProcessGroup, src_
     for same_dtype in by_dtype.values():
         for bucket in _chunks(same_dtype, _BROADCAST_BUCKET_BYTES):
             flat = _flatten_dense_tensors([t.detach() for t in bucket])
-            dist.broadcast(flat, src=src, group=group)
+            ops.broadcast(flat, src=src, group=group)
             with torch.no_grad():
                 for dst, val in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                     dst.copy_(val)
@@ -55,14 +57,8 @@ def all_reduce_flag(flag: bool | torch.Tensor, group: ProcessGroup, device: torc
         [1.0 if flag else 0.0], device=device
     )
     if dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        ops.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item() > 0)
-
-
-# torch 2.13 renamed the flat collectives (``*_single``) and deprecated the old names;
-# torch 2.4, the oldest supported, has only the old ones.
-_ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER_FLAT = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # [Note: flat collectives on gloo]
@@ -76,7 +72,9 @@ _REDUCE_SCATTER_FLAT = getattr(dist, "reduce_scatter_single", None) or dist.redu
 # reduce-scatter 160 ms against all-reduce 270 ms. Each rank moves (world-1)/world of the
 # tensor, as a ring does. Messages between one pair on one group match in posting order,
 # so every rank must issue these collectives in the same order, as with any collective.
-# NCCL runs its own collectives.
+# NCCL runs its own collectives. A comms logger sees each exchange as the one collective it
+# stands for (``ops.composed``), completed when its ``wait()`` returns: gloo's
+# point-to-point works have no future to tell it sooner.
 
 
 def _use_point_to_point(group: ProcessGroup) -> bool:
@@ -84,10 +82,13 @@ def _use_point_to_point(group: ProcessGroup) -> bool:
 
 
 class _PointToPointWork:
-    """Sends and receives of one collective in flight; ``wait()`` finishes them, then ``then()``."""
+    """Sends and receives of one collective in flight; ``wait()`` finishes them, then
+    ``then()``, then tells a recorder the collective is done (``done``)."""
 
-    def __init__(self, works: list[dist.Work], then: Callable[[], None] | None = None) -> None:
-        self._works, self._then = works, then
+    def __init__(
+        self, works: list[dist.Work], then: Callable[[], None] | None = None, done: Callable[[], None] | None = None
+    ) -> None:
+        self._works, self._then, self._done = works, then, done
 
     def wait(self) -> bool:
         for work in self._works:
@@ -96,6 +97,9 @@ class _PointToPointWork:
         if self._then is not None:
             then, self._then = self._then, None
             then()
+        if self._done is not None:
+            done, self._done = self._done, None
+            done()
         return True
 
 
@@ -111,8 +115,8 @@ def _exchange(
     works = []
     for i in range(1, world):
         dst, src = (rank + i) % world, (rank - i) % world
-        works.append(dist.isend(send(dst), dist.get_global_rank(group, dst), group=group))
-        works.append(dist.irecv(recv(src), dist.get_global_rank(group, src), group=group))
+        works.append(ops.isend(send(dst), dist.get_global_rank(group, dst), group=group))
+        works.append(ops.irecv(recv(src), dist.get_global_rank(group, src), group=group))
     return works
 
 
@@ -133,14 +137,15 @@ def all_gather_flat(
     world = dist.get_world_size(group)
     assert output.numel() == shard.numel() * world
     if not _use_point_to_point(group):
-        return _ALL_GATHER_FLAT(output, shard, group=group, async_op=async_op)
+        return ops.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
     n, rank = shard.numel(), dist.get_rank(group)
     own = output[rank * n : (rank + 1) * n]
     if own.data_ptr() != shard.data_ptr():
         with torch.no_grad():
             own.copy_(shard)
-    works = _exchange(group, send=lambda _: own, recv=lambda src: output[src * n : (src + 1) * n])
-    return _finish(_PointToPointWork(works), async_op)
+    with ops.composed("all_gather_into_tensor", shard, group) as done:
+        works = _exchange(group, send=lambda _: own, recv=lambda src: output[src * n : (src + 1) * n])
+    return _finish(_PointToPointWork(works, done=done), async_op)
 
 
 def reduce_scatter_flat(
@@ -154,15 +159,16 @@ def reduce_scatter_flat(
     world = dist.get_world_size(group)
     assert full.numel() == output.numel() * world
     if not _use_point_to_point(group):
-        return _REDUCE_SCATTER_FLAT(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        return ops.reduce_scatter_tensor(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     n, rank = output.numel(), dist.get_rank(group)
     own = full[rank * n : (rank + 1) * n]
     received = torch.empty((world - 1) * n, dtype=full.dtype, device=full.device)
-    works = _exchange(
-        group,
-        send=lambda dst: full[dst * n : (dst + 1) * n],
-        recv=lambda src: received[((src - rank) % world - 1) * n : ((src - rank) % world) * n],
-    )
+    with ops.composed("reduce_scatter_tensor", full, group) as done:
+        works = _exchange(
+            group,
+            send=lambda dst: full[dst * n : (dst + 1) * n],
+            recv=lambda src: received[((src - rank) % world - 1) * n : ((src - rank) % world) * n],
+        )
 
     @torch.no_grad()
     def accumulate() -> None:
@@ -171,7 +177,7 @@ def reduce_scatter_flat(
         if own.data_ptr() != output.data_ptr():
             output.copy_(own)
 
-    return _finish(_PointToPointWork(works, accumulate), async_op)
+    return _finish(_PointToPointWork(works, accumulate, done), async_op)
 
 
 def global_grad_norm(
@@ -203,7 +209,7 @@ def global_grad_sq_norm(
     if extra is not None:
         total_sq = total_sq + extra
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(total_sq, group=group)
+        ops.all_reduce(total_sq, group=group)
     return total_sq
 
 

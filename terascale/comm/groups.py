@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from terascale.comm import ops
+
 
 @runtime_checkable
 class ModelParallelUnit(Protocol):
@@ -186,7 +188,7 @@ def _replica_group(ctx: DistributedContext) -> ProcessGroup | None:
     if ctx.dp_world_size == ctx.world_size:
         return None
     coords: list[int | None] = [None] * ctx.world_size
-    dist.all_gather_object(coords, ctx.dp_rank)
+    ops.all_gather_object(coords, ctx.dp_rank)
     out = None
     for coord in sorted(set(coords)):  # type: ignore[type-var]
         members = [r for r, c in enumerate(coords) if c == coord]
@@ -223,7 +225,7 @@ def duplicate_group(group: ProcessGroup) -> ProcessGroup:
         return group
     mine = dist.get_process_group_ranks(group)
     everyone: list[list[int] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    ops.all_gather_object(everyone, mine)
     out = None
     for ranks in sorted({tuple(r) for r in everyone if r is not None}):
         created = dist.new_group(list(ranks))

@@ -205,7 +205,9 @@ FEATURES: tuple[Feature, ...] = (
         False,
         _combine(_set("data_types.param_dtype"), _set("data_types.buffer_dtype")),
     ),
-    Feature("flops profiler", False, _flags("flops_profiler", "enabled")),
+    Feature("flops profiler", True, _flags("flops_profiler", "enabled")),
+    Feature("communication logger", True, _flags("comms_logger", "enabled")),
+    Feature("torch.profiler trace window", True, _flags("profiler", "enabled")),
     Feature(
         "asynchronous checkpoint save",
         True,
@@ -246,7 +248,6 @@ FEATURES: tuple[Feature, ...] = (
             ("nebula", "Nebula checkpointing"),
             ("datastates", "DataStates checkpointing"),
             ("expert_parallel", "expert parallelism"),
-            ("comms_logger", "communication logger"),
             ("comet", "Comet monitor"),
             ("trackio", "Trackio monitor"),
         )

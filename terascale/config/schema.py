@@ -25,6 +25,7 @@ from terascale.config.elasticity import ElasticityConfig, resolve_elastic_batch
 from terascale.config.errors import ConfigError, from_validation_error, key_names, submodel
 from terascale.config.health import HealthConfig
 from terascale.config.parallel import PipelineConfig, TensorParallelConfig
+from terascale.config.profiling import CommsLoggerConfig, FlopsProfilerConfig, TraceConfig
 from terascale.config.section import TORCH_DTYPES, DtypeName, Section, normalize_dtype_name
 from terascale.config.source import read_source
 from terascale.config.zero import AioConfig, ZeroConfig
@@ -119,18 +120,6 @@ class ActivationCheckpointingConfig(Section):
         if self.nvme_path == "":
             raise ValueError("activation_checkpointing.nvme_path is empty; name a directory on the NVMe disk")
         return self
-
-
-class FlopsProfilerConfig(Section):
-    """``flops_profiler``: per-module FLOPs/latency report at one step."""
-
-    enabled: bool = False
-    recompute_fwd_factor: float = Field(0.0, ge=0.0)
-    profile_step: int = 1  # DeepSpeed does not bound it (Megatron-DeepSpeed writes -1)
-    module_depth: int = -1
-    top_modules: int = Field(1, ge=1)
-    detailed: bool = True
-    output_file: str | None = None
 
 
 class TensorBoardConfig(Section):
@@ -275,6 +264,8 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
 
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    profiler: TraceConfig = Field(default_factory=TraceConfig)
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
     csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
@@ -286,7 +277,6 @@ class Config(Section):
     # features.py refuses any that switch something on.
     comet: LooseSection = None
     trackio: LooseSection = None
-    comms_logger: LooseSection = None
     timers: LooseSection = None
     amp: LooseSection = None
     torch_autocast: LooseSection = None

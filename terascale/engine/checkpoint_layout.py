@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from terascale.comm import ops as comm_ops
 from terascale.checkpoint.order import SliceOrder, part_of
 from terascale.checkpoint.reader import CheckpointReader
 from terascale.checkpoint.spans import MASTER, OPTIM, PARAM, ParamInfo, Slice, Span
@@ -86,7 +87,7 @@ class CheckpointLayout:
         names = set(self._local) | buffers
         if self._dist.pp_world_size > 1:
             everyone: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, sorted(names))
+            comm_ops.all_gather_object(everyone, sorted(names))
             names = {n for ns in everyone for n in ns}
         return names
 

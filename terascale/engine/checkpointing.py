@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from terascale.comm import ops as comm_ops
 from terascale.checkpoint.directory import CheckpointDirectory, copy_durably, validate_tag
 from terascale.checkpoint.manifest import MANIFEST, CheckpointError, Manifest, dtype_name, parse_dtype
 from terascale.checkpoint.reader import CheckpointReader
@@ -201,7 +202,7 @@ class Checkpointer:
         except Exception as exc:
             error = f"rank {info.rank} writing '{path}': {exc}"
         gathered: list[Any] = [None] * info.world if info.rank == 0 else []
-        dist.gather_object((shard, info, error), gathered if info.rank == 0 else None, dst=0, group=group)
+        comm_ops.gather_object((shard, info, error), gathered if info.rank == 0 else None, dst=0, group=group)
         result = None
         if info.rank == 0:
 
@@ -272,7 +273,7 @@ class Checkpointer:
         except OSError as exc:
             error = f"rank {rank} copying '{source / file_name}' to '{mirror.staging(tag)}': {exc}"
         errors: list[Any] = [None] * job.info.world
-        dist.all_gather_object(errors, error, group=group)
+        comm_ops.all_gather_object(errors, error, group=group)
         result = "; ".join(e for e in errors if e) or None
         if rank == 0:
             result = self._commit_or_abort(mirror, tag, result, (source / MANIFEST).read_text, job.save_latest)
@@ -283,7 +284,7 @@ class Checkpointer:
         if mode == "IGNORE" or dist.get_world_size() == 1:
             return
         tags: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(tags, tag, group=group)
+        comm_ops.all_gather_object(tags, tag, group=group)
         if len(set(tags)) > 1:
             msg = f"checkpoint tags differ between ranks: {sorted(set(tags))}"
             if mode == "FAIL":
@@ -397,7 +398,7 @@ def _chain(chunks: Any, last: list[Slice]) -> Any:
 def _raise_if_any(error: str | None, group: dist.ProcessGroup, what: str) -> None:
     """Agree over ``group`` on rank 0's (or any rank's) error; every rank raises it."""
     errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error, group=group)
+    comm_ops.all_gather_object(errors, error, group=group)
     found = [e for e in errors if e]
     if found:
         raise CheckpointError(f"{what}: {'; '.join(found)}")

@@ -14,7 +14,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Callable
 
-import psutil
 import torch
 from torch import nn
 
@@ -25,7 +24,8 @@ from terascale.engine.checkpointing import Checkpointer
 from terascale.engine.clipping import clip_coefficient
 from terascale.engine.loss_scaler import build_loss_scaler
 from terascale.engine.model_state import ModelState, adopt_optimizer, build_model_state
-from terascale.engine.monitor import StepTimers, build_monitors
+from terascale.engine.monitor import StepTimers, build_monitors, check_monitor_packages
+from terascale.engine.observe import Observer
 from terascale.engine.parallel import ParallelLayout, join_model_parallel
 from terascale.engine.pipeline import pipeline_for
 from terascale.engine.precision import PrecisionPolicy
@@ -68,6 +68,7 @@ class Engine(nn.Module):
             logger.setLevel(config.log_level.upper())
         if dist_ctx.rank == 0:
             _log_config_notes(config)
+        check_monitor_packages(config)  # before any collective: the error must reach every rank
         batch = config.resolve_batch(dist_ctx.dp_world_size)
         self.train_batch_size = batch.train_batch_size
         self.micro_batch_size = batch.micro_batch_size
@@ -117,7 +118,6 @@ class Engine(nn.Module):
         self._step_applied = False
         self._window_loss = torch.zeros((), device=dist_ctx.device)
         self._last_grad_norm: float | None = None
-        self.timers = StepTimers(config.wall_clock_breakdown, dist_ctx.device)
         # One rank reports: every tensor-parallel rank and pipeline stage sees the same loss.
         self._reports = dist_ctx.dp_rank == 0 and dist_ctx.tp_rank == 0 and dist_ctx.pp_rank == 0
         self._monitors = build_monitors(config) if self._reports else []
@@ -125,6 +125,7 @@ class Engine(nn.Module):
         self._checkpointer = Checkpointer(self)
         self._pipeline = pipeline_for(self)  # a PipelineModule's schedule runner, else None
         self._resilience = Resilience(self)  # interval/signal saves, resume, health monitors
+        self._observe = Observer(self)  # timers, the print line, flops profiler, comms logger, traces
 
     # -- properties a training script reads ------------------------------------------------
 
@@ -182,11 +183,10 @@ class Engine(nn.Module):
         """Run the wrapped module; tensor inputs are moved to the engine's device."""
         if self._pipeline is not None:
             self._pipeline.refuse_direct("engine.forward")
-        self.timers.start("forward")
-        args, kwargs = _to_device((args, kwargs), self.device, self._input_cast_dtype())
-        with self.activations.forward_context(), self._resilience.phase("forward"):
-            out = self.module(*args, **kwargs)
-        self.timers.stop("forward")
+        with self._observe.phase("forward", (args, kwargs)):
+            args, kwargs = _to_device((args, kwargs), self.device, self._input_cast_dtype())
+            with self.activations.forward_context(), self._resilience.phase("forward"):
+                out = self.module(*args, **kwargs)
         return out
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
@@ -209,14 +209,13 @@ class Engine(nn.Module):
     def _run_backward(self, sync: bool, run: Callable[[], None]) -> None:
         """``run`` (one backward) inside the model state's bracket: ``sync`` on the window's
         last backward, when the gradients are reduced over the data-parallel ranks."""
-        self.timers.start("backward")
-        self._state.prepare_backward(sync=sync)
-        self.activations.before_backward()
-        with self._resilience.phase("backward"):
-            run()
-        self._state.post_backward()
+        with self._observe.phase("backward"):
+            self._state.prepare_backward(sync=sync)
+            self.activations.before_backward()
+            with self._resilience.phase("backward"):
+                run()
+            self._state.post_backward()
         self._has_grads = True
-        self.timers.stop("backward")
 
     def step(self) -> None:
         """Count a micro-step; at an accumulation boundary, update the parameters."""
@@ -225,14 +224,13 @@ class Engine(nn.Module):
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
             return
-        self.timers.start("step")
-        with self._resilience.phase("step", timed=False):
+        with self._observe.phase("step"), self._resilience.phase("step", timed=False):
             kept = self._optimizer_step()
-        self.timers.stop("step")
         if not kept:  # rolled back: the checkpoint's counters stand
             return
         self.global_steps += 1
         self.global_samples += self.train_batch_size
+        self._observe.step_ends()
         self._report()
         self.activations.log_profile(self.global_steps)
         self.micro_steps += 1
@@ -368,7 +366,7 @@ class Engine(nn.Module):
 
     def _report(self) -> None:
         every = self.config.steps_per_print
-        want_print = every and self.global_steps % every == 0
+        want_print = bool(every) and self.global_steps % every == 0  # the same on every rank
         if not (want_print or self._monitors):
             self._window_loss.zero_()
             return
@@ -383,15 +381,8 @@ class Engine(nn.Module):
                 events.append(("Train/Samples/loss_scale", self.loss_scale, self.global_samples))
             for m in self._monitors:
                 m.write(events)
-        if want_print and self._reports:
-            msg = f"step={self.global_steps} skipped={self.skipped_steps} lr={self.get_lr()} loss={loss:.5f}"
-            if self.config.fp16.enabled:
-                msg += f" loss_scale={self.loss_scale:g}"
-            logger.info(msg)
-            if self.timers.enabled:
-                logger.info("time (%d steps): %s", every, self.timers.report())
-            if self.config.memory_breakdown:
-                logger.info("memory: %s", _memory_summary(self.device))
+        if want_print:
+            self._observe.report(loss)  # collective: every rank's memory
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -564,11 +555,28 @@ class Engine(nn.Module):
         step costs is the difference across it."""
         return self._state.offload_io()
 
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        """Write ``{name: value}`` (a held-out loss: ``{"Eval/loss": ...}``) to the
+        monitors at the current sample count, beside the engine's own metrics (which
+        ``terascale report`` plots). Any rank may call it; the reporting rank writes."""
+        self._observe.write(metrics)
+
+    def comms_summary(self) -> str:
+        """The comms logger's table so far: per collective and message size, count,
+        latency, algorithmic and bus bandwidth (needs ``comms_logger.enabled``)."""
+        return self._observe.comms_summary()
+
+    @property
+    def timers(self) -> StepTimers:
+        """The forward/backward/step wall-clock timers (active with ``wall_clock_breakdown``)."""
+        return self._observe.timers
+
     def destroy(self) -> None:
         """Finish a checkpoint save in flight, remove hooks and close monitors (the engine
         is unusable afterwards)."""
         self._checkpointer.close()
         self._resilience.close()
+        self._observe.close()
         self._state.remove_hooks()
         self.activations.close()
         for m in self._monitors:
@@ -666,17 +674,6 @@ def _to_device(obj: Any, device: torch.device, float_dtype: torch.dtype | None) 
     if isinstance(obj, dict):
         return {k: _to_device(v, device, float_dtype) for k, v in obj.items()}
     return obj
-
-
-def _memory_summary(device: torch.device) -> str:
-    rss = psutil.Process().memory_info().rss / 2**20
-    text = f"rss {rss:.0f} MiB"
-    if device.type == "cuda":
-        text += (
-            f", allocated {torch.cuda.memory_allocated(device) / 2**20:.0f} MiB"
-            f", peak {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB"
-        )
-    return text
 
 
 def _log_config_notes(config: Config) -> None:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from terascale.comm import ops as comm_ops
 from terascale.checkpoint.spans import (
     MASTER,
     PARAM,
@@ -76,6 +77,8 @@ class ModelState(Protocol):
     def offload_io(self) -> dict[str, int]: ...
 
     def comm_wait_s(self) -> float: ...
+
+    def wait_breakdown(self) -> dict[str, float]: ...
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None: ...
 
@@ -150,6 +153,10 @@ class ReplicatedState:
         """Seconds this rank has spent blocked waiting for gradient all-reduces."""
         return self._buckets.blocked_s
 
+    def wait_breakdown(self) -> dict[str, float]:
+        """Seconds blocked by cause (see ``ShardedState.wait_breakdown``): only gradient all-reduces here."""
+        return {"param_gather": 0.0, "grad_reduce": self._buckets.blocked_s, "offload_io": 0.0}
+
     def grad_sq_norm(self, skip: Collection[int] = frozenset(), extra: torch.Tensor | None = None) -> torch.Tensor:
         self._finish()
         # Gradients are replicated after the all-reduce, so no group is needed here.
@@ -159,7 +166,7 @@ class ReplicatedState:
         if extra is not None:  # every rank's extra, summed: one scalar all-reduce
             extra = extra.detach().clone()
             if self._group is not None and dist.get_world_size(self._group) > 1:
-                dist.all_reduce(extra, group=self._group)
+                comm_ops.all_reduce(extra, group=self._group)
             sq = sq + extra
         return sq
 
@@ -169,7 +176,7 @@ class ReplicatedState:
         for p in params:
             grad = self._masters.master_of(p).grad
             assert grad is not None, "a tied parameter has no gradient in this window"
-            dist.all_reduce(grad, group=group)
+            comm_ops.all_reduce(grad, group=group)
 
     def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
         self._finish()

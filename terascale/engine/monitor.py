@@ -84,6 +84,20 @@ class WandbMonitor:
         self._wandb.finish()
 
 
+def check_monitor_packages(config) -> None:
+    """Raise the ValueError a missing monitor package causes, on every rank: only the
+    writing rank builds the monitors, and an error there alone would leave its peers
+    waiting in the engine's first collective."""
+    import importlib.util
+
+    for section, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        if getattr(config, section).enabled and importlib.util.find_spec(package) is None:
+            raise ValueError(
+                f"{section}.enabled is true but the '{package}' package is not installed; "
+                f"pip install {package}, or set {section}.enabled to false"
+            )
+
+
 def build_monitors(config) -> list[Monitor]:
     """The monitors a config enables (call on the writing rank only)."""
     monitors: list[Monitor] = []
@@ -125,8 +139,7 @@ class StepTimers:
             self._sync()
             self.totals[phase] += time.perf_counter() - self._start.pop(phase)
 
-    def report(self) -> str:
-        """``forward: 12.3 ms | backward: ...`` since the last report, then reset."""
-        text = " | ".join(f"{k}: {v * 1000:.1f} ms" for k, v in self.totals.items())
-        self.totals = dict.fromkeys(self.PHASES, 0.0)
-        return text
+    def take(self) -> dict[str, float]:
+        """Seconds per phase since the last call, then reset."""
+        totals, self.totals = self.totals, dict.fromkeys(self.PHASES, 0.0)
+        return totals

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from terascale.comm import ops as comm_ops
 from terascale.comm import DistributedContext, ModelParallelUnit
 from terascale.config import Config
 from terascale.engine.model_state import ModelState
@@ -111,7 +112,7 @@ class ParallelLayout:
         sq = state.grad_sq_norm(self.skip, extra)
         group = self.dist.replica_group
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(sq, group=group)
+            comm_ops.all_reduce(sq, group=group)
         return sq.sqrt()
 
 
@@ -188,11 +189,11 @@ def join_model_parallel(state: dict[str, torch.Tensor], layout: ParallelLayout) 
             s = slices[name]
             local = state[name].to(dist_ctx.device)
             parts = [torch.empty_like(local) for _ in range(s.parts)]
-            dist.all_gather(parts, local.contiguous(), group=group)
+            comm_ops.all_gather(parts, local.contiguous(), group=group)
             state[name] = join_slices([p.cpu() for p in parts], s.dim, s.fused)
     if dist_ctx.pp_world_size > 1:
         stages: list[Any] = [None] * dist_ctx.pp_world_size
-        dist.all_gather_object(stages, state, group=dist_ctx.pp_group)
+        comm_ops.all_gather_object(stages, state, group=dist_ctx.pp_group)
         merged: dict[str, torch.Tensor] = {}
         for stage in stages:
             for name, t in stage.items():

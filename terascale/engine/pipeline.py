@@ -132,11 +132,10 @@ class EnginePipeline:
         from terascale.engine.engine import _to_device  # engine.py imports this module first
 
         engine = self.engine
-        engine.timers.start("forward")
-        inputs = _to_device(inputs, engine.device, engine._input_cast_dtype())
-        with engine.activations.forward_context(), engine._resilience.phase("forward"):
-            out = engine.module(inputs, chunk=chunk)
-        engine.timers.stop("forward")
+        with engine._observe.phase("forward", inputs):
+            inputs = _to_device(inputs, engine.device, engine._input_cast_dtype())
+            with engine.activations.forward_context(), engine._resilience.phase("forward"):
+                out = engine.module(inputs, chunk=chunk)
         return out
 
     def backward_chunk(self, tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None, sync: bool) -> None:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from terascale.comm import ops as comm_ops
 from terascale.checkpoint.directory import CheckpointDirectory, verify
 from terascale.checkpoint.manifest import Manifest
 from terascale.health.non_finite import NonFiniteError, NonFiniteEvent, NonFinitePolicy, Verdict
@@ -138,7 +139,7 @@ class Resilience:
         loss_bad = torch.tensor([0.0 if bool(torch.isfinite(engine._window_loss)) else 1.0], device=engine.device)
         flags = [torch.empty_like(loss_bad) for _ in range(self._world)]
         if self._world > 1:
-            dist.all_gather(flags, loss_bad)
+            comm_ops.all_gather(flags, loss_bad)
         else:
             flags = [loss_bad]
         ranks = tuple(r for r, f in enumerate(flags) if float(f) > 0)
@@ -205,7 +206,7 @@ class Resilience:
         due = interval is not None and time.monotonic() - self._last_save >= interval
         flags = torch.tensor([float(self._signal is not None and self._signal.received), float(due)], device=self.engine.device)
         if self._world > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            comm_ops.all_reduce(flags, op=dist.ReduceOp.MAX)
         return bool(flags[0] > 0), bool(flags[1] > 0)
 
     def _save_and_exit(self) -> None:
@@ -271,7 +272,7 @@ class Resilience:
             mine = _best_complete(roots, bound)
             everyone: list[Any] = [None] * self._world
             if self._world > 1:
-                dist.all_gather_object(everyone, mine, group=self.engine._checkpointer.coordination_group())
+                comm_ops.all_gather_object(everyone, mine, group=self.engine._checkpointer.coordination_group())
             else:
                 everyone = [mine]
             problems |= {p for _, ps in everyone for p in ps}

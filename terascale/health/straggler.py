@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from terascale.comm import ops
+
 logger = logging.getLogger("terascale")
 
 
@@ -122,7 +124,7 @@ class StragglerDetector:
         mine = torch.tensor([self._compute_s, float(self._pp_rank)], dtype=torch.float64, device=self._device)
         everyone = [torch.empty_like(mine) for _ in range(world)]
         if world > 1:
-            dist.all_gather(everyone, mine, group=self._group)
+            ops.all_gather(everyone, mine, group=self._group)
         else:
             everyone = [mine]
         rows = torch.stack(everyone).cpu().tolist()

@@ -282,6 +282,30 @@ def _check(args: argparse.Namespace) -> int:
     return 130 if rc == 130 else 1
 
 
+def _add_report(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "report",
+        help="an HTML page of plots (loss, throughput, MFU, memory, time, comms) from a run's CSV monitor files",
+        description="Read the files csv_monitor wrote (<output_path>/<job_name>/*.csv) and write "
+        "report.html with one PNG per plot: loss and held-out loss, optimizer state, throughput, MFU, "
+        "memory per rank, time per step, communication bandwidth, stragglers, and a table of final "
+        "values. Prints the HTML's path. Exit code 2 when a folder holds no CSV files.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR",
+                   help="the csv_monitor's <output_path>/<job_name> folder (or its parent, holding one job)")
+    p.add_argument("--compare", default=None, metavar="OTHER_RUN",
+                   help="another run's folder: overlaid on every plot, with the ratio in the tables")
+    p.add_argument("--out", default=None, metavar="DIR", help="output folder (default: RUN_DIR/report)")
+    p.set_defaults(handler=_report)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from terascale.profiling.report import build_report
+
+    print(build_report(args.run_dir, out_dir=args.out, compare=args.compare))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``terascale`` argument parser with one subparser per subcommand."""
     parser = argparse.ArgumentParser(
@@ -295,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_consolidate(subparsers)
     _add_elastic_config(subparsers)
     _add_check(subparsers)
+    _add_report(subparsers)
     return parser
 
 

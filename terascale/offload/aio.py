@@ -23,11 +23,15 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from terascale.comm.ops import named_range
 
 ALIGNMENT = 4096  # bytes; a multiple of every logical block size O_DIRECT may need
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -97,11 +101,12 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
 class IoHandle:
     """One submitted read or write; :meth:`wait` blocks until every piece is done."""
 
-    def __init__(self, description: str, futures: list[Future], nbytes: int) -> None:
+    def __init__(self, description: str, futures: list[Future], nbytes: int, engine: AsyncIO | None = None) -> None:
         self.description = description
         self.nbytes = nbytes
         self.waited = False  # a handle's error is raised to whoever waits first, once
         self._futures = futures
+        self._engine = engine
 
     def done(self) -> bool:
         return all(f.done() for f in self._futures)
@@ -114,10 +119,13 @@ class IoHandle:
         """Block until the request completes; return its bytes or raise :class:`AioError`."""
         self.waited = True
         error = None
+        started = time.perf_counter()
         for f in self._futures:  # wait for all, so no piece still runs after an error
             exc = f.exception()
             if exc is not None and error is None:
                 error = exc
+        if self._engine is not None and threading.get_ident() == self._engine.owner_thread:
+            self._engine.blocked_s += time.perf_counter() - started
         if error is not None:
             raise error
         return self.nbytes
@@ -129,12 +137,15 @@ class AsyncIO:
     ``read`` and ``write`` return an :class:`IoHandle` at once; ``synchronize()`` waits for
     everything submitted so far. ``direct=False`` never uses ``O_DIRECT``; with True it is
     used wherever the filesystem accepts it (tmpfs, for one, does not: see
-    :attr:`direct_paths`). Use as a context manager or call :meth:`close`.
+    :attr:`direct_paths`). Use as a context manager or call :meth:`close`. With
+    ``trace_name``, each transfer shows in a torch profiler trace as a range
+    ``"<trace_name> read"`` or ``"<trace_name> write"`` on its I/O thread.
     """
 
-    def __init__(self, options: AioOptions | None = None, *, direct: bool = True) -> None:
+    def __init__(self, options: AioOptions | None = None, *, direct: bool = True, trace_name: str | None = None) -> None:
         self.options = options or AioOptions()
         self._direct = direct and _O_DIRECT != 0
+        self.trace_name = trace_name
         self._pool = ThreadPoolExecutor(
             max_workers=self.options.thread_count * self.options.queue_depth, thread_name_prefix="terascale-aio"
         )
@@ -144,6 +155,10 @@ class AsyncIO:
         self.direct_paths: set[str] = set()  # files opened with O_DIRECT
         self.bytes_read = 0  # submitted so far (for reports: traffic per step)
         self.bytes_written = 0
+        # Time the creating (training) thread spent waiting for requests: the step's I/O
+        # stalls. Background threads' waits (checkpoint writes, prefetch) are not stalls.
+        self.owner_thread = threading.get_ident()
+        self.blocked_s = 0.0
 
     # -- submission --------------------------------------------------------------------------
 
@@ -197,15 +212,15 @@ class AsyncIO:
             self.synchronize()
         addr = tensor.data_ptr()
         if self.options.single_submit:
-            futures = [self._pool.submit(self._transfer_all, op, fds, view, addr, offset, pieces, path)]
+            futures = [self._pool.submit(self._run, self._transfer_all, op, fds, view, addr, offset, pieces, path)]
         else:
-            futures = [self._pool.submit(self._transfer, op, fds, view, addr, offset, lo, hi, path) for lo, hi in pieces]
+            futures = [self._pool.submit(self._run, self._transfer, op, fds, view, addr, offset, lo, hi, path) for lo, hi in pieces]
         desc = f"{op} of {nbytes} bytes at offset {offset} of '{path}'"
         if op == "read":
             self.bytes_read += nbytes
         else:
             self.bytes_written += nbytes
-        handle = IoHandle(desc, futures, nbytes)
+        handle = IoHandle(desc, futures, nbytes, self)
         with self._lock:
             # Finished requests are forgotten unless their error still awaits a waiter.
             self._outstanding = [h for h in self._outstanding if not h.done() or h.unreported_error()] + [handle]
@@ -274,6 +289,14 @@ class AsyncIO:
         self.close()
 
     # -- pieces (run on the I/O threads) -----------------------------------------------------
+
+    def _run(self, transfer: Callable[..., None], op: str, *args: object) -> None:
+        """``transfer(op, *args)`` on an I/O thread, inside a trace range if this engine names one."""
+        if self.trace_name is None:
+            transfer(op, *args)
+            return
+        with named_range(self.trace_name, op):
+            transfer(op, *args)
 
     def _transfer(self, op: str, fds: tuple[int, int | None], view: memoryview, addr: int, offset: int,
                   lo: int, hi: int, path: Path) -> None:

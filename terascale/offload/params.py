@@ -67,7 +67,7 @@ class OffloadedParams:
             self.directory = self.aio = self.pool = self.writes = None
             return
         self.directory = SwapDirectory(policy.nvme_path, "params", rank)
-        self.aio = AsyncIO(policy.aio)
+        self.aio = AsyncIO(policy.aio, trace_name="terascale::swap")
         # Buffers as large as the largest shard, not buffer_size: that is all a fetch needs.
         self.pool = BufferPool(max(2, policy.buffer_count), pin_memory=self._pin)
         self.writes = WriteBehind(self.pool, self.aio)  # the step's piece writes

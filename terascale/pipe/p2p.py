@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from terascale.comm import ops as comm_ops
 from terascale.comm.collectives import all_gather_flat
 from terascale.pipe.schedule import Instr, Op, StageGrid
 
@@ -197,7 +198,7 @@ class StageComm:
             # NCCL creates a group's communicator on its first collective, which every rank
             # must join: do that here, where they all are, not inside a batch of sends.
             probe = torch.zeros(1, device=device)
-            dist.all_reduce(probe, group=group)
+            comm_ops.all_reduce(probe, group=group)
 
     def begin_run(self) -> None:
         """A new schedule run: the first activation of each chunk carries the flag again."""
@@ -229,7 +230,7 @@ class StageComm:
         def flush() -> None:
             if not ops:
                 return
-            posted = dist.batch_isend_irecv(list(ops))
+            posted = comm_ops.batch_isend_irecv(list(ops))
             if len(posted) == len(ops):  # one work per operation (gloo): sends may finish later
                 for op, work in zip(ops, posted):
                     if op.op is dist.isend:
@@ -337,11 +338,11 @@ class StageComm:
         """Receive the flag (and a new signature) of ``chunk``'s first activation in this run."""
         self._run_received.add(chunk)
         flag = torch.zeros(1, dtype=torch.int64, device=self.device)
-        dist.recv(flag, peer, group=self.group)
+        comm_ops.recv(flag, peer, group=self.group)
         length = int(flag.item())
         if length:
             data = torch.empty(length, dtype=torch.uint8, device=self.device)
-            dist.recv(data, peer, group=self.group)
+            comm_ops.recv(data, peer, group=self.group)
             self._recv_sig[chunk] = Signature.decode(bytes(data.cpu().tolist()))
         assert chunk in self._recv_sig, "the first activation of a chunk came without its signature"
 

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from terascale.comm import ops
 from terascale.pipe.p2p import Partitioning, Payload, StageComm, float_tensors
 from terascale.pipe.schedule import Instr, Op, StageGrid, forward_only, last_backward, train_schedule
 
@@ -308,11 +309,11 @@ class PipelineRunner:
         if losses:
             out = torch.stack([loss.float() for loss in losses]).sum() / micro_batches
             if dist.get_world_size(self.dp_group) > 1:
-                dist.all_reduce(out, group=self.dp_group)
+                ops.all_reduce(out, group=self.dp_group)
                 out /= dist.get_world_size(self.dp_group)
         if self.grid.stages > 1:
             src = dist.get_process_group_ranks(self.pp_group)[-1]
-            dist.broadcast(out, src=src, group=self.pp_group)
+            ops.broadcast(out, src=src, group=self.pp_group)
         return out
 
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from terascale.comm import ops
 from terascale.comm.collectives import all_gather_flat
 
 
@@ -135,7 +136,8 @@ class FlatParamGroup:
     ``.data`` at its view of it. ``shard`` is this rank's slice: for a ``persistent``
     group a view of the full buffer (the group never frees it), otherwise a private copy,
     and the group starts SHARDED. :meth:`unshard` all-gathers the full buffer from every
-    rank's shard; :meth:`reshard` frees it.
+    rank's shard; :meth:`reshard` frees it. ``index`` numbers the group among its model's
+    groups; it names the group's ranges in a trace (``terascale::gather group <index>``).
     """
 
     def __init__(
@@ -148,6 +150,7 @@ class FlatParamGroup:
         persistent: bool = False,
         init_values: Callable[[int, nn.Parameter], torch.Tensor] | None = None,
         shapes: Sequence[torch.Size] | None = None,
+        index: int = 0,
     ) -> None:
         shapes = shapes or [p.shape for _, p in named_params]
         self.layout = FlatLayout.build([(n, s) for (n, _), s in zip(named_params, shapes)], dist.get_world_size(group))
@@ -165,6 +168,7 @@ class FlatParamGroup:
         self.device = torch.device(device) if device is not None else self.params[0].device
         self.group = group
         self.rank = dist.get_rank(group)
+        self.index = index
         self.persistent = persistent
         self.home: ShardHome | None = None  # set by an offload tier; None: the shard stays here
 
@@ -227,7 +231,8 @@ class FlatParamGroup:
             with torch.no_grad():
                 own.copy_(self.shard)
         if self.layout.world_size > 1:
-            self._work = all_gather_flat(self._full, own, self.group, async_op=async_op)
+            with ops.named_range("terascale::gather group", self.index):
+                self._work = all_gather_flat(self._full, own, self.group, async_op=async_op)
         self.state = ShardState.GATHERING
         if not async_op:
             self.wait()
@@ -237,7 +242,8 @@ class FlatParamGroup:
         if self.state is ShardState.GATHERING:
             if self._work is not None:
                 started = time.perf_counter()
-                self._work.wait()
+                with ops.named_range("terascale::gather wait group", self.index):
+                    self._work.wait()
                 self.blocked_s += time.perf_counter() - started
                 self._work = None
             self._point_params_at(self._views)

@@ -70,6 +70,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from terascale.comm import ops
 from terascale.comm.collectives import reduce_scatter_flat
 from terascale.comm.sparse import CommStats, SparseGather, accumulate_sparse, add_rows_to_range, all_gather_sparse
 from terascale.offload.grads import GradSwapper
@@ -325,10 +326,12 @@ class ShardedGrads:
         if self.world == 1 or comm.numel() == 0:
             work = None
         elif pol.reduce_scatter:
-            work = reduce_scatter_flat(comm[lo:hi], comm, self.pg, async_op=True)
+            with ops.named_range("terascale::reduce_scatter group", g):
+                work = reduce_scatter_flat(comm[lo:hi], comm, self.pg, async_op=True)
             self.comm.reduce_scatter(comm, self.world)
         else:
-            work = dist.all_reduce(comm, group=self.pg, async_op=True)
+            with ops.named_range("terascale::all_reduce group", g):
+                work = ops.all_reduce(comm, group=self.pg, async_op=True)
             self.comm.all_reduce(comm, self.world)
         rows = [] if sparse is None else [(i, self._gather_rows(g, i, pre)) for i in sparse.sparse]
         self._pending.append(_Pending(g, work, comm, rows))
@@ -409,7 +412,8 @@ class ShardedGrads:
     def _complete(self, item: _Pending) -> None:
         if item.work is not None:
             started = time.perf_counter()
-            item.work.wait()
+            with ops.named_range("terascale::reduce wait group", item.group):
+                item.work.wait()
             self.blocked_s += time.perf_counter() - started
         if self._sparse[item.group] is not None:
             self._complete_sparse(item)
@@ -512,7 +516,7 @@ class ShardedGrads:
         flags = torch.tensor([row for row, _ in self._window], dtype=torch.int32)
         if self.world > 1 and self.groups:
             flags = flags.to(self.groups[0].device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pg)
+            ops.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pg)
         return (flags > 0).tolist()
 
     def _left_over(self, g: int, touched: list[list[bool]]) -> bool:

@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from terascale.comm import all_gather_flat, init_distributed
+from terascale.comm import all_gather_flat, init_distributed, ops
 from terascale.config import Config
 from terascale.offload.aio import AioOptions, AsyncIO
 from terascale.offload.swap import SwapDirectory, round_up
@@ -61,7 +61,7 @@ class _NvmeSlices:
     def __init__(self, nvme_path: str, rank: int, aio: AioOptions) -> None:
         self.directory = SwapDirectory(nvme_path, "init", rank)
         self.file = self.directory.file("slices")
-        self.aio = AsyncIO(aio)
+        self.aio = AsyncIO(aio, trace_name="terascale::swap")
         self._end = 0
         self.live = 0
         # The directory goes when the last slice is taken over or the Init is dropped.
@@ -184,7 +184,7 @@ class Init:
         """Take rank 0's ``full`` value of ``param``; keep this rank's slice (on the remote
         device; at ``offset`` of the slice file when repartitioning); empty the param."""
         if self.world > 1:
-            dist.broadcast(full, src=dist.get_global_rank(self.group, 0), group=self.group)
+            ops.broadcast(full, src=dist.get_global_rank(self.group, 0), group=self.group)
         per_rank = max(1, math.ceil(full.numel() / self.world))
         lo = min(self.rank * per_rank, full.numel())
         hi = min(lo + per_rank, full.numel())
@@ -243,7 +243,7 @@ class Init:
             for p in params:
                 full = p.data
                 if modifier_rank is not None and self.world > 1:
-                    dist.broadcast(full, src=dist.get_global_rank(self.group, modifier_rank), group=self.group)
+                    ops.broadcast(full, src=dist.get_global_rank(self.group, modifier_rank), group=self.group)
                 if modifier_rank is None:
                     full = self.full_value(p)  # discard local changes
                 self._repartition(p, full.contiguous())

@@ -87,5 +87,7 @@ class Segments:
         """Sum ``rows`` (``[num_params, k]``) over the ranks, in place."""
         import torch.distributed as dist
 
+        from terascale.comm import ops
+
         if dist.get_world_size(self.group) > 1:
-            dist.all_reduce(rows, group=self.group)
+            ops.all_reduce(rows, group=self.group)

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from terascale.checkpoint.spans import OptimKey, ParamInfo, Slice, SliceMode
-from terascale.comm import all_gather_flat, duplicate_group
+from terascale.comm import all_gather_flat, duplicate_group, ops
 from terascale.comm.collectives import global_grad_sq_norm
 from terascale.config import Config
 from terascale.config.schema import TORCH_DTYPES
@@ -155,6 +155,7 @@ class ShardedState:
                 persistent=plan.persistent,
                 init_values=lambda i, p: _initial_value(p),
                 shapes=[_initial_shape(p) for p in plan.params],
+                index=len(self.groups),
             )
             for p in fg.params:
                 release = getattr(owner_of(p), "release_ownership", None)
@@ -215,7 +216,7 @@ class ShardedState:
                 self._create_masters(masters, run)
             return masters, None
         directory = SwapDirectory(tier.nvme_path, "optimizer", dist.get_rank())
-        aio = AsyncIO(tier.aio)
+        aio = AsyncIO(tier.aio, trace_name="terascale::swap")
         swapper = OptimizerSwapper(
             masters, offloaded, directory, aio, tier.buffer_count, pin_memory=tier.pin_memory,
             create_run=lambda run: self._create_masters(masters, run),
@@ -230,7 +231,7 @@ class ShardedState:
         numel = [fg.layout.shard_numel if any(k >= 0 for k in plan.opt_group) else 0
                  for plan, fg in zip(self.plans, self.groups)]  # fmt: skip
         directory = SwapDirectory(tier.nvme_path, "grads", dist.get_rank())
-        return GradSwapper(numel, options.grads.dtype, directory, AsyncIO(tier.aio), pin_memory=tier.pin_memory)
+        return GradSwapper(numel, options.grads.dtype, directory, AsyncIO(tier.aio, trace_name="terascale::swap"), pin_memory=tier.pin_memory)
 
     def _create_masters(self, masters: ShardedMasters, run: list[int], device: torch.device | None = None) -> None:
         """Make run ``run``'s masters from its parameter shards, read back if on NVMe."""
@@ -278,11 +279,11 @@ class ShardedState:
             assert {id(p) for p in self.groups[g].params} <= {id(p) for p in params}, "tied parameters share a group"
             swapper = self.grads.swapper
             if swapper is not None:
-                swapper.update(g, lambda shard: dist.all_reduce(shard, group=group))
+                swapper.update(g, lambda shard: ops.all_reduce(shard, group=group))
                 continue
             shard = self.grads.shards[g]
             assert shard is not None, f"group {g} has no gradient in this window"
-            dist.all_reduce(shard, group=group)
+            ops.all_reduce(shard, group=group)
 
     def _groups_of(self, ids: Collection[int]) -> set[int]:
         return {self._group_of[i] for i in ids if i in self._group_of}
@@ -299,8 +300,13 @@ class ShardedState:
             self.params.settle()
 
         fused_host = self.options.offload_optimizer.enabled and host_adam.supports(optimizer)
+        run_index = {run[0]: k for k, run in enumerate(self.masters.runs)}  # runs are disjoint
 
         def step_run(run: list[int]) -> None:
+            with ops.named_range("terascale::optimizer run", run_index[run[0]]):
+                step_run_now(run)
+
+        def step_run_now(run: list[int]) -> None:
             pieces = dict(zip(run, grads_of(run)))
             if fused_host and all(masters[i].device.type == "cpu" for i in run):
                 # [Note: host Adam]: widen, step and narrow per cached chunk.
@@ -347,8 +353,9 @@ class ShardedState:
                 optimizer.accumulate_norms([masters[i] for i in run], [segments.of[i] for i in run], rows)
         segments.reduce(rows)
         regathers = _Regathers(self.groups, self.options.allgather_bucket_numel)
-        for run in runs:
-            optimizer.apply_norms([masters[i] for i in run], [segments.of[i] for i in run], rows, self._param_opt_group)
+        for k, run in enumerate(runs):
+            with ops.named_range("terascale::optimizer run", k):
+                optimizer.apply_norms([masters[i] for i in run], [segments.of[i] for i in run], rows, self._param_opt_group)
             self.masters.write_to_shards(run, write)
             regathers.launch_before(self.masters.pieces[run[-1]].group)
         if self.params is not None:
@@ -502,6 +509,14 @@ class ShardedState:
         reduce-scatters."""
         return sum(g.blocked_s for g in self.groups) + self.grads.blocked_s
 
+    def wait_breakdown(self) -> dict[str, float]:
+        """Seconds this rank has spent blocked, by cause: ``param_gather`` (all-gathers),
+        ``grad_reduce`` (reduce-scatters) and ``offload_io`` (swap reads and writes)."""
+        tiers = (self.swapper, self.params, self.grads.swapper)
+        io = sum(t.aio.blocked_s for t in tiers if t is not None and t.aio is not None)
+        return {"param_gather": sum(g.blocked_s for g in self.groups), "grad_reduce": self.grads.blocked_s,
+                "offload_io": io}  # fmt: skip
+
     # -- GatheredParameters (see [Note: owner table]) ------------------------------------------
 
     def gather(self, params: list[nn.Parameter]) -> object:
@@ -526,7 +541,7 @@ class ShardedState:
                 if modified:
                     if fg.layout.world_size > 1:
                         src = dist.get_global_rank(self.group, modifier_rank)
-                        dist.broadcast(fg.full_buffer, src=src, group=self.group)
+                        ops.broadcast(fg.full_buffer, src=src, group=self.group)
                     with self._shards_resident([g], write_back=True):
                         fg.update_shard_from_full()
                         self.masters.refresh_from_shard(g)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from terascale.comm import ops
 from terascale.comm.collectives import all_gather_flat, reduce_scatter_flat
 
 SEQUENCE_DIM = 1  # [batch, seq, hidden]
@@ -45,7 +46,7 @@ def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """The sum of ``x`` over ``group``, in a new tensor (``x`` itself may be shared: a
     gradient that autograd also hands to another branch, an activation saved for backward)."""
     out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=group)
+    ops.all_reduce(out, group=group)
     return out
 
 

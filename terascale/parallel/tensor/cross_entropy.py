@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from terascale.comm import ops
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
@@ -38,7 +40,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         shifted = logits.float()
         logits_max = shifted.amax(dim=-1)
         if world > 1:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+            ops.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         shifted = shifted - logits_max.unsqueeze(-1)
 
         held = (target >= start) & (target < start + local_vocab)
@@ -52,7 +54,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sums.append(softmax.sum(dim=-1))
         stacked = torch.stack(sums)
         if world > 1:
-            dist.all_reduce(stacked, group=group)
+            ops.all_reduce(stacked, group=group)
         target_logit, sum_exp = stacked[0], stacked[-1]
 
         log_sum_exp = sum_exp.log()

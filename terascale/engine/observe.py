@@ -1,0 +1,271 @@
+"""The engine's side of observability: what a user sees of where a run's time goes.
+
+The engine calls :meth:`Observer.phase` around forward, backward and the optimizer step,
+:meth:`Observer.step_ends` after each optimizer step and :meth:`Observer.report` at each
+step's report. The observer then
+
+* times the phases (``StepTimers``; synchronised with the device only when
+  ``wall_clock_breakdown`` asks, as that costs overlap) and names them as
+  ``terascale::forward/backward/step`` ranges for traces;
+* every ``steps_per_print`` steps logs one line and writes the same numbers to the
+  monitors: loss, lr, grad norm, loss scale, skipped steps, samples/s, tokens/s, TFLOP/s
+  per rank (measured by the flops profiler's count at ``profile_step``, and by the GPT
+  formula for GPT-like models), MFU, memory of every rank (device allocated and peak, host
+  RSS) and the wall-clock breakdown, including the time blocked in parameter gathers,
+  gradient reduction and offload I/O;
+* runs the flops profiler over step ``flops_profiler.profile_step``, keeps the comms
+  logger active during the phases, and drives the trace window (``profiler``).
+
+[Note: what the print line costs]
+Nothing here synchronises a device or communicates except at print steps, where the ranks
+all-gather three numbers (their memory), and where the profiled step runs under
+``FlopCounterMode``. The throughput is wall time between print steps, so it includes
+everything the training loop does, as a user's stopwatch would.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from terascale.comm import ops as comm_ops
+from terascale.engine.monitor import StepTimers
+from terascale.profiling.throughput import gpt_flops_per_token, model_shape, peak_flops, tokens_in
+
+if TYPE_CHECKING:
+    from terascale.engine.engine import Engine
+
+logger = logging.getLogger("terascale")
+
+_GB = 1e9
+# ModelState.wait_breakdown's causes: (key, word in the line, monitor name).
+_WAITS = (("param_gather", "gather", "param_gather"), ("grad_reduce", "reduce", "grad_reduce"),
+          ("offload_io", "io", "offload_wait"))  # fmt: skip
+
+
+class Observer:
+    """Timers, the per-print throughput/utilisation/memory report, the flops profiler, the
+    comms logger and the trace window of ``engine``."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        config = engine.config
+        rank = engine.dist.rank
+        self.timers = StepTimers(config.wall_clock_breakdown, engine.device)
+        self._step_open = False
+        self._profiler: Any = None  # a FlopsProfiler while the profiled step runs
+        self.flops_per_step: float | None = None  # this rank's, measured at profile_step
+        self.last_profile: Any = None  # the FlopsProfiler of profile_step, once it ran
+        self._shape = model_shape(engine.module)
+        self._tokens = 0  # this rank's tokens since the last print
+        self._seq_len = 0
+        self._comms: Any = None
+        if config.comms_logger.enabled:
+            from terascale.profiling.comms import CommsLogger
+
+            self._comms = CommsLogger(config.comms_logger, rank)
+        self._trace: Any = None
+        if config.profiler.enabled:
+            from terascale.profiling.trace import TraceWindow
+
+            self._trace = TraceWindow(config.profiler, rank, engine.device)
+        self._window_start = time.perf_counter()
+        self._window_steps = 0
+        self._waits = engine._state.wait_breakdown()
+        self._peak: tuple[float, str] | None = None
+
+    # -- during the step -------------------------------------------------------------------------
+
+    @contextmanager
+    def phase(self, name: str, inputs: Any = None) -> Iterator[None]:
+        """Time phase ``name`` (forward/backward/step), mark it as a trace range and keep the
+        comms logger recording; ``inputs`` of a forward count its tokens."""
+        if not self._step_open:
+            self._step_begins()
+        if inputs is not None:
+            tokens, seq = tokens_in(inputs)
+            self._tokens += tokens
+            self._seq_len = seq or self._seq_len
+        self.timers.start(name)
+        with comm_ops.named_range(f"terascale::{name}"), self._comms.active() if self._comms is not None else nullcontext():
+            yield
+        self.timers.stop(name)
+
+    def _step_begins(self) -> None:
+        self._step_open = True
+        step = self.engine.global_steps + 1
+        if self._trace is not None:
+            self._trace.step_begins(step)
+        profile = self.engine.config.flops_profiler
+        if profile.enabled and step == profile.profile_step:
+            from terascale.profiling.flops import FlopsProfiler
+
+            # At stage 3 the module's parameters are shards: count the full sizes.
+            numels = {name: info.numel for name, info in self.engine._state.checkpoint_params().items()}
+            self._profiler = FlopsProfiler(self.engine.module, param_numel=numels, device=self.engine.device)
+            self._step_started = time.perf_counter()
+            self._profiler.start()
+
+    def step_ends(self) -> None:
+        """After an optimizer step (``engine.global_steps`` already counts it)."""
+        self._step_open = False
+        self._window_steps += 1
+        if self._profiler is not None:
+            self._finish_profile()
+        if self._trace is not None:
+            self._trace.step_ends(self.engine.global_steps)
+
+    def _finish_profile(self) -> None:
+        profiler, self._profiler = self._profiler, None
+        self.last_profile = profiler
+        self._sync()
+        elapsed = time.perf_counter() - self._step_started
+        profiler.stop()
+        self.flops_per_step = float(profiler.total_flops())
+        engine, profile = self.engine, self.engine.config.flops_profiler
+        if engine._reports:
+            text = profiler.report(module_depth=profile.module_depth, top_modules=profile.top_modules,
+                                   detailed=profile.detailed, step_time_s=elapsed)  # fmt: skip
+            if profile.output_file:
+                with open(profile.output_file, "w") as f:
+                    f.write(text)
+                logger.info("flops profile of step %d written to %s", engine.global_steps, profile.output_file)
+            else:
+                print(text, flush=True)
+
+    # -- reports ---------------------------------------------------------------------------------
+
+    def report(self, loss: float) -> None:
+        """At a print step (every rank: collective): the line and the monitor events."""
+        engine = self.engine
+        elapsed = time.perf_counter() - self._window_start
+        steps = max(self._window_steps, 1)
+        memory = self._memory_of_every_rank()
+        waits = engine._state.wait_breakdown()
+        waited = {k: (waits[k] - self._waits[k]) / steps for k in waits}
+        timed = self.timers.take()
+        step_s = elapsed / steps
+        tokens = self._tokens / steps * engine.dist.dp_world_size
+        self._window_start, self._window_steps, self._tokens, self._waits = time.perf_counter(), 0, 0, waits
+        if not engine._reports:
+            return
+        samples = engine.train_batch_size / step_s
+        measured = self.flops_per_step / step_s if self.flops_per_step else None
+        formula = None
+        if self._shape is not None and self._seq_len and tokens:
+            recompute = bool(engine.activations.blocks.blocks)
+            per_token = gpt_flops_per_token(*self._shape, self._seq_len, recompute=recompute)
+            formula = per_token * tokens / step_s / engine.dist.world_size
+        mfu = None
+        achieved = measured or formula
+        if achieved:
+            peak, _ = self._device_peak()
+            mfu = achieved / peak if peak else None
+        parts = [f"step={engine.global_steps} skipped={engine.skipped_steps} loss={loss:.5f}",
+                 f"lr={engine.get_lr()[0]:.4g}"]  # fmt: skip
+        if engine._last_grad_norm is not None:
+            parts.append(f"grad_norm={engine._last_grad_norm:.4g}")
+        if engine.config.fp16.enabled:
+            parts.append(f"loss_scale={engine.loss_scale:g}")
+        speed = f"| {samples:,.1f} samples/s"
+        if tokens:
+            speed += f", {tokens / step_s:,.0f} tokens/s"
+        if measured:
+            speed += f", {measured / 1e12:.3g} TFLOP/s per rank (counted"
+            speed += f"; GPT formula {formula / 1e12:.3g})" if formula else ")"
+        elif formula:
+            speed += f", {formula / 1e12:.3g} TFLOP/s per rank (GPT formula)"
+        if mfu is not None:
+            speed += f", MFU {mfu * 100:.1f}%"
+        parts.append(speed)
+        parts.append("| memory (max over ranks): " + _memory_text(memory))
+        if self.timers.enabled:
+            parts.append("| ms/step: " + " ".join(f"{k} {v / steps * 1e3:.1f}" for k, v in timed.items())
+                         + " | waits: " + " ".join(f"{short} {waited[k] * 1e3:.1f}" for k, short, _ in _WAITS))  # fmt: skip
+        logger.info(" ".join(parts))
+        if engine._monitors:
+            self._write(samples, tokens / step_s, measured or formula, mfu, memory, timed, waited, steps)
+
+    def _write(self, samples: float, tokens: float, flops: float | None, mfu: float | None,
+               memory: list[tuple[float, float, float]], timed: dict[str, float],
+               waited: dict[str, float], steps: int) -> None:  # fmt: skip
+        engine = self.engine
+        x = engine.global_samples
+        events = [("Throughput/samples_per_s", samples, x)]
+        if tokens:
+            events.append(("Throughput/tokens_per_s", tokens, x))
+        if flops:
+            events.append(("Throughput/tflops", flops / 1e12, x))
+        if mfu is not None:
+            events.append(("Throughput/mfu", mfu, x))
+        if engine._last_grad_norm is not None:
+            events.append(("Train/Samples/grad_norm", engine._last_grad_norm, x))
+        for r, (allocated, peak, rss) in enumerate(memory):
+            events += [(f"Memory/rank{r}/device_allocated_gb", allocated, x),
+                       (f"Memory/rank{r}/device_peak_gb", peak, x), (f"Memory/rank{r}/host_rss_gb", rss, x)]  # fmt: skip
+        if self.timers.enabled:
+            events += [(f"Time/{k}_ms", v / steps * 1e3, x) for k, v in timed.items()]
+            events += [(f"Time/{name}_ms", waited[k] * 1e3, x) for k, _, name in _WAITS]
+        if self._comms is not None:
+            for op, stats in self._comms.totals().items():
+                events += [(f"Comms/{op}/busbw_gbps", stats["busbw_gbps"], x),
+                           (f"Comms/{op}/algbw_gbps", stats["algbw_gbps"], x)]  # fmt: skip
+        for m in engine._monitors:
+            m.write(events)
+
+    def write(self, metrics: dict[str, float]) -> None:
+        """Write the user's ``{name: value}`` (held-out loss, ...) to the monitors, at the
+        current global sample count (the reporting rank only writes)."""
+        for m in self.engine._monitors:
+            m.write([(name, float(value), self.engine.global_samples) for name, value in metrics.items()])
+
+    def comms_summary(self) -> str:
+        if self._comms is None:
+            raise ValueError("engine.comms_summary() needs the comms logger: set comms_logger.enabled: true")
+        return self._comms.summary()
+
+    def close(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
+        if self._comms is not None and self.engine._reports:
+            logger.info("communication summary:\n%s", self._comms.summary())
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _memory_of_every_rank(self) -> list[tuple[float, float, float]]:
+        """(device allocated, device peak, host RSS) in GB of every rank (collective)."""
+        device = self.engine.device
+        mine = [0.0, 0.0, psutil.Process().memory_info().rss / _GB]
+        if device.type == "cuda":
+            mine[:2] = torch.cuda.memory_allocated(device) / _GB, torch.cuda.max_memory_allocated(device) / _GB
+        local = torch.tensor(mine, dtype=torch.float64, device=device)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world == 1:
+            return [tuple(mine)]  # type: ignore[list-item]
+        everyone = [torch.empty_like(local) for _ in range(world)]
+        comm_ops.all_gather(everyone, local)
+        return [tuple(t.tolist()) for t in everyone]  # type: ignore[misc]
+
+    def _device_peak(self) -> tuple[float, str]:
+        if self._peak is None:
+            self._peak = peak_flops(self.engine.device, self.engine.precision.compute_dtype)
+        return self._peak
+
+    def _sync(self) -> None:
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)
+
+
+def _memory_text(memory: list[tuple[float, float, float]]) -> str:
+    allocated, peak, rss = (max(column) for column in zip(*memory))
+    text = f"rss {rss:.2f} GB"
+    if peak:
+        text += f", allocated {allocated:.2f} GB, peak {peak:.2f} GB"
+    return text
