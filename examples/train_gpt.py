@@ -185,7 +185,9 @@ def main(argv: list[str] | None = None) -> dict:
     # A resumed run continues its epoch where the checkpoint's sampler position left it.
     epoch, batches = loader.sampler.epoch, iter(loader)
     window_loss, t0 = 0.0, time.perf_counter()
-    # The engine's print line (every steps_per_print) goes above the progress bar.
+    # The engine's print line (every steps_per_print, rank 0) goes above the progress bar.
+    if is_main:
+        logging.getLogger("terascale").setLevel(logging.INFO)
     with logging_redirect_tqdm(loggers=[logging.getLogger("terascale")]):
         while engine.global_steps < steps:
             try:

@@ -86,10 +86,12 @@ class Observer:
     @contextmanager
     def phase(self, name: str, inputs: Any = None) -> Iterator[None]:
         """Time phase ``name`` (forward/backward/step), mark it as a trace range and keep the
-        comms logger recording; ``inputs`` of a forward count its tokens."""
-        if not self._step_open:
+        comms logger recording; ``inputs`` of a training forward count its tokens."""
+        # An evaluation forward (eval mode or no grad) neither opens a step nor counts tokens.
+        training = name != "forward" or (self.engine.module.training and torch.is_grad_enabled())
+        if training and not self._step_open:
             self._step_begins()
-        if inputs is not None:
+        if inputs is not None and training:
             tokens, seq = tokens_in(inputs)
             self._tokens += tokens
             self._seq_len = seq or self._seq_len
