@@ -114,7 +114,10 @@ def test_tokens_in_finds_input_ids() -> None:
 
 
 def _profile_at_stage(out_dir: str, stage: int, checkpointing: bool) -> list[tuple]:
-    extra = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    if stage == 3 and checkpointing:  # and with parameters and optimizer state offloaded
+        zero.update(offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"})
+    extra = {"zero_optimization": zero,
              "flops_profiler": {"enabled": True, "profile_step": 2, "module_depth": 2, "top_modules": 2,
                                 "output_file": f"{out_dir}/profile{stage}.txt"},
              "activation_checkpointing": {"policy": "blocks" if checkpointing else "none"}}
@@ -144,7 +147,7 @@ def _profile_at_stage(out_dir: str, stage: int, checkpointing: bool) -> list[tup
     return rows, measured, losses
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing-and-offload"])
 def test_flops_profile_at_stage3_equals_the_unsharded_one(tmp_path: Path, checkpointing: bool) -> None:
     from terascale.profiling.throughput import gpt_flops_per_token
 
