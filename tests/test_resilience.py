@@ -208,14 +208,14 @@ def test_sigterm_saves_before_exit_and_the_job_resumes(uninterrupted: dict, tmp_
 
 def test_sigterm_with_a_lost_peer_exits_without_waiting_for_the_deadline(tmp_path: Path) -> None:
     # Rank 1 signals rank 0 and then never reaches the next collective, as a dead peer
-    # would not: rank 0, blocked in that collective, gives up after deadline / 5 = 1 s
+    # would not: rank 0, blocked in that collective, gives up after deadline / 5 = 0.6 s
     # instead of holding the restart back until the deadline.
-    cfg = config(tmp_path, checkpoint={"signal_deadline_s": 5})
+    cfg = config(tmp_path, checkpoint={"signal_deadline_s": 3})
     rc, out, _ = train(tmp_path, cfg, "run", "--fault", "termpeer:4:1", timeout=120)
     assert rc != 0
-    assert "SIGTERM, then blocked for 1.0 s in" in out and "a peer is probably gone" in out, out[-4000:]
+    assert "SIGTERM, then blocked for 0.6 s in" in out and "a peer is probably gone" in out, out[-4000:]
     # Rank 1, signalled by torchrun while it waits outside any collective, is ended by the deadline.
-    assert "no checkpoint finished within 5 s" in out, out[-4000:]
+    assert "no checkpoint finished within 3 s" in out, out[-4000:]
     assert CheckpointDirectory(tmp_path / "ckpt").latest() == "global_step3"
 
 
