@@ -24,11 +24,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from terascale.comm import ops as comm_ops
 from terascale.checkpoint.order import SliceOrder, part_of
 from terascale.checkpoint.reader import CheckpointReader
 from terascale.checkpoint.spans import MASTER, OPTIM, PARAM, ParamInfo, Slice, Span
 from terascale.comm import DistributedContext
+from terascale.comm import ops as comm_ops
 from terascale.engine.model_state import ModelState
 from terascale.engine.parallel import ParallelLayout
 from terascale.parallel.slicing import TensorSlice

@@ -25,12 +25,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from terascale.comm import ops as comm_ops
 from terascale.checkpoint.directory import CheckpointDirectory, copy_durably, validate_tag
 from terascale.checkpoint.manifest import MANIFEST, CheckpointError, Manifest, dtype_name, parse_dtype
 from terascale.checkpoint.reader import CheckpointReader
 from terascale.checkpoint.spans import BUFFER, OPTIM, OptimKey, ParamInfo, Slice, SliceMode, Span
 from terascale.checkpoint.writer import shard_file_name, snapshot, staging_pool, write_shard
+from terascale.comm import ops as comm_ops
 from terascale.engine.checkpoint_layout import CheckpointLayout
 from terascale.offload.aio import AioOptions, AsyncIO
 from terascale.offload.swap import BufferPool

@@ -33,7 +33,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from terascale.comm import ops as comm_ops
 from terascale.checkpoint.spans import (
     MASTER,
     PARAM,
@@ -47,6 +46,7 @@ from terascale.checkpoint.spans import (
 )
 from terascale.comm import DistributedContext, GradientBuckets, ReducePolicy
 from terascale.comm.sparse import CommStats, sparse_gradient_params
+from terascale.comm import ops as comm_ops
 from terascale.config import Config
 from terascale.comm.collectives import global_grad_sq_norm
 from terascale.engine.precision import MasterWeights, PrecisionPolicy
@@ -76,8 +76,6 @@ class ModelState(Protocol):
 
     def offload_io(self) -> dict[str, int]: ...
 
-    def comm_wait_s(self) -> float: ...
-
     def wait_breakdown(self) -> dict[str, float]: ...
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None: ...
@@ -89,6 +87,13 @@ class ModelState(Protocol):
     ) -> Iterator[list[Slice]]: ...
 
     def remove_hooks(self) -> None: ...
+
+
+def collective_wait_s(state: ModelState) -> float:
+    """Seconds this rank has spent blocked in the model state's collectives (parameter
+    gathers and gradient reductions; offload I/O not included)."""
+    waits = state.wait_breakdown()
+    return waits["param_gather"] + waits["grad_reduce"]
 
 
 def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -148,10 +153,6 @@ class ReplicatedState:
 
     def post_backward(self) -> None:
         pass  # the buckets finish at the step: an accumulation window may span backwards
-
-    def comm_wait_s(self) -> float:
-        """Seconds this rank has spent blocked waiting for gradient all-reduces."""
-        return self._buckets.blocked_s
 
     def wait_breakdown(self) -> dict[str, float]:
         """Seconds blocked by cause (see ``ShardedState.wait_breakdown``): only gradient all-reduces here."""

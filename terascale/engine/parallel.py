@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from terascale.comm import ops as comm_ops
 from terascale.comm import DistributedContext, ModelParallelUnit
+from terascale.comm import ops as comm_ops
 from terascale.config import Config
 from terascale.engine.model_state import ModelState
 from terascale.optim.lamb import Lamb

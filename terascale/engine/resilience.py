@@ -30,9 +30,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from terascale.comm import ops as comm_ops
 from terascale.checkpoint.directory import CheckpointDirectory, verify
 from terascale.checkpoint.manifest import Manifest
+from terascale.comm import ops as comm_ops
+from terascale.engine.model_state import collective_wait_s
 from terascale.health.non_finite import NonFiniteError, NonFiniteEvent, NonFinitePolicy, Verdict
 from terascale.health.sigterm import SIGTERM_EXIT_CODE, SigtermWatch
 from terascale.health.straggler import StragglerDetector
@@ -68,7 +69,7 @@ class Resilience:
                 health.straggler.threshold,
                 device=engine.device,
                 pp_rank=engine.dist.pp_rank,
-                waited=engine._state.comm_wait_s,
+                waited=lambda: collective_wait_s(engine._state),
             )
             self._straggler.window_starts(engine.global_steps + 1)
         self._watchdog = None

@@ -5,7 +5,7 @@ Collectives equalise wall time: a fast rank waits inside the gradient reduction 
 ZeRO-3, the next parameter gather) for the slow one, so every rank's step takes as long
 as the slowest rank's. What differs is the time *not* spent waiting. Each rank therefore
 measures its forward and backward wall time and subtracts the time it was blocked in the
-model state's collective waits (``ModelState.comm_wait_s``: FlatParamGroup gathers,
+model state's collective waits (``terascale.engine.model_state.collective_wait_s``: FlatParamGroup gathers,
 reduce-scatters, bucket all-reduces), which leaves its own compute. On an accelerator
 that runs asynchronously, wall time on the host means little, so only the window before
 a check is measured, with the device synchronised around each phase; the other windows

@@ -504,11 +504,6 @@ class ShardedState:
         engines = [t.aio for t in tiers if t is not None and t.aio is not None]
         return {"read": sum(a.bytes_read for a in engines), "written": sum(a.bytes_written for a in engines)}
 
-    def comm_wait_s(self) -> float:
-        """Seconds this rank has spent blocked waiting for parameter gathers and gradient
-        reduce-scatters."""
-        return sum(g.blocked_s for g in self.groups) + self.grads.blocked_s
-
     def wait_breakdown(self) -> dict[str, float]:
         """Seconds this rank has spent blocked, by cause: ``param_gather`` (all-gathers),
         ``grad_reduce`` (reduce-scatters) and ``offload_io`` (swap reads and writes)."""
