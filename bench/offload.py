@@ -52,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--opt-buffers", type=int, default=4, help="offload_optimizer.buffer_count")
     p.add_argument("--param-buffers", type=int, default=5, help="offload_param.buffer_count")
     p.add_argument("--fio-gib", type=float, default=2.0)
+    p.add_argument("--aio", default="", help='the aio section: JSON, or "auto" (default: none, the engine\'s defaults)')
     p.add_argument("--json", default=str(ROOT / "runs" / "bench" / "offload.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -79,7 +80,7 @@ def _config(args: argparse.Namespace, nvme: str) -> dict:
                               "buffer_size": 1_000_000_000, "max_in_cpu": 0},
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": args.opt_buffers},
         },
-        "aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1},
+        **({"aio": json.loads(args.aio) if args.aio.startswith("{") else args.aio} if args.aio else {}),
     }  # fmt: skip
 
 
@@ -94,8 +95,10 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, str(ROOT / "examples"))
+    sys.path.insert(0, str(ROOT / "bench"))
     import terascale
     from gpt import GPT, GPTConfig
+    from io_timeline import render, step_summary
     from terascale.zero import Init
     from terascale.zero.gather import full_numel
 
@@ -139,6 +142,8 @@ def worker(args: argparse.Namespace) -> None:
     print(f"rank {dist.get_rank()}: {params:,} params built in {construct:.0f} s, peak RSS "
           f"{construct_peak / 2**30:.2f} GiB", file=sys.stderr, flush=True)
     gen = torch.Generator().manual_seed(dist.get_rank())
+    activity = engine.offload_activity()
+    activity.recording = True  # the spans the timeline is drawn from
     steps = []
     for _ in range(args.steps):
         x = torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=gen)
@@ -152,10 +157,12 @@ def worker(args: argparse.Namespace) -> None:
         t_end = time.perf_counter()
         peak_step = phase_peak()
         io1 = engine.offload_io()
+        spans = [s for s in activity.spans if s[1] > t]
         steps.append({
             "time": t_end - t, "fwd_bwd": t_fb - t, "step": t_end - t_fb, "loss": loss.item(),
             "read": io1["read"] - io0["read"], "written": io1["written"] - io0["written"],
             "rss": proc.memory_info().rss, "peak_fwd_bwd": peak_fb, "peak_step": peak_step,
+            "timeline": step_summary(spans, t, t_fb, t_end), "render": render(spans, t, t_fb, t_end),
         })  # fmt: skip
         print(f"rank {dist.get_rank()} step {len(steps)}: {steps[-1]['time']:.1f} s "
               f"(fwd+bwd {t_fb - t:.1f}), loss {loss.item():.4f}, peak RSS GiB fwd+bwd "
@@ -195,7 +202,7 @@ def _fio():
 
 def run_job(args: argparse.Namespace, result: Path) -> list[dict]:
     keep = ("dir", "threads", "steps", "micro_batch", "seq", "vocab", "width", "layers", "heads",
-            "sub_group_size", "opt_buffers", "param_buffers")
+            "sub_group_size", "opt_buffers", "param_buffers", "aio")
     forwarded = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keep]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            __file__, "--worker", f"--result={result}", *forwarded]
@@ -275,6 +282,28 @@ def report(args: argparse.Namespace, repeats: list[dict]) -> None:
     print(f"\nstep / floor, median over repeats: {statistics.median(ratios):.2f}")
     losses = [s["loss"] for s in first["steps"]]
     print("losses (repeat 0, rank 0): " + ", ".join(f"{x:.4f}" for x in losses))
+    print_timeline(repeats[-1]["ranks"][0]["steps"])
+
+
+def print_timeline(steps: list[dict]) -> None:
+    """Per step of rank 0 (the first left out): where its time went, I/O busy against
+    compute, and the median step drawn (see bench/io_timeline.py)."""
+    print("\nTimeline, rank 0 (seconds; I/O busy = reads or writes in flight; waited = the training "
+          "thread blocked on I/O; hidden = I/O busy while the thread was not waiting):\n")
+    print("| step | step s | fwd+bwd s | optimizer s | I/O busy s (reads / writes) | waited s (fwd+bwd / opt) | "
+          "I/O hidden under compute | compute s (step − waited) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for i, s in enumerate(steps):
+        t = s["timeline"]
+        hidden = t["step_hidden"] / t["step_io"] if t["step_io"] else 0.0
+        print(f"| {i + 1}{' (first)' if i == 0 else ''} | {t['step_s']:.2f} | {t['fwd_bwd_s']:.2f} | {t['opt_s']:.2f} | "
+              f"{t['step_io']:.2f} ({t['step_read']:.2f} / {t['step_write']:.2f}) | {t['step_wait']:.2f} "
+              f"({t['fwd_bwd_wait']:.2f} / {t['opt_wait']:.2f}) | {hidden:.0%} | {t['step_s'] - t['step_wait']:.2f} |")
+    timed = steps[1:] or steps
+    median = sorted(timed, key=lambda s: s["time"])[len(timed) // 2]
+    print(f"\nThe median step ({median['time']:.2f} s), one column = {median['time'] / 100 * 1e3:.0f} ms; "
+          "F forward+backward, S optimizer step, # I/O in flight, w waiting for I/O:\n")
+    print("```\n" + median["render"] + "\n```")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,8 +46,14 @@ SYSTEMS = (
     "deepspeed-1",
     "deepspeed-2",
     "deepspeed-3",
+    # ZeRO-Infinity: optimizer state (and at stage 3 parameter shards) in swap files under --nvme-dir
+    "terascale-2-nvme",
+    "terascale-3-nvme",
+    "deepspeed-2-nvme",  # DeepSpeed 0.19.8 runs this as cpu offload: it writes no swap file (see the table)
+    "deepspeed-3-nvme",
 )
-DEFAULT_SYSTEMS = SYSTEMS
+NVME_SYSTEMS = tuple(s for s in SYSTEMS if s.endswith("-nvme"))
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in NVME_SYSTEMS)
 LR = 1e-3
 
 
@@ -66,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--nvme-dir", default="runs/bench/step_time_nvme",
+                   help="nvme_path of the -nvme systems (each job's swap files are deleted when it ends)")
     p.add_argument("--json", default="runs/bench/step_time.json",
                    help="where to write every run's per-step times, losses and memory")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: system to run
@@ -150,7 +159,26 @@ def _fsdp2(args: argparse.Namespace, model, device, reshard: bool = True):
     return _torch_step(model, opt)
 
 
-def _deepspeed(args: argparse.Namespace, model, device, stage: int = 0):
+def _nvme_offload(args: argparse.Namespace, stage: int) -> dict:
+    """The ``zero_optimization`` keys of the -nvme systems, the same for both libraries:
+    optimizer state on NVMe, and at stage 3 every parameter shard too (``max_in_cpu: 0``;
+    both libraries would otherwise keep this small model's shards in host memory). No
+    ``aio`` section: each library's I/O engine runs at its defaults."""
+    path = str(Path(args.nvme_dir).resolve() / f"rank{os.environ.get('RANK', '0')}")
+    Path(path).mkdir(parents=True, exist_ok=True)
+    zero = {"offload_optimizer": {"device": "nvme", "nvme_path": path}}
+    if stage == 3:
+        # DeepSpeed swaps each parameter through a buffer of its own and prefetches up to
+        # stage3_prefetch_bucket_size elements (the whole of this model): with its default 5
+        # buffers it stops ("Not enough buffers 0 for swapping 1"). One buffer per parameter,
+        # each as large as the largest parameter, is what it needs to run.
+        params = list(_model(args).parameters())
+        zero["offload_param"] = {"device": "nvme", "nvme_path": path, "max_in_cpu": 0,
+                                 "buffer_count": len(params), "buffer_size": max(p.numel() for p in params)}
+    return zero
+
+
+def _deepspeed(args: argparse.Namespace, model, device, stage: int = 0, **zero):
     import deepspeed
     import torch
 
@@ -158,7 +186,9 @@ def _deepspeed(args: argparse.Namespace, model, device, stage: int = 0):
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, **zero},
+        # torch's fused AdamW, as every other system; DeepSpeed would insist on its CPUAdam.
+        "zero_force_ds_cpu_optimizer": False,
     }
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
@@ -168,6 +198,10 @@ def _deepspeed(args: argparse.Namespace, model, device, stage: int = 0):
 def _build(system: str, args: argparse.Namespace, model, device):
     if system == "ddp":
         return _ddp(args, model, device)
+    if system.endswith("-nvme"):
+        stage = int(system.split("-")[1])
+        build = _terascale if system.startswith("terascale") else _deepspeed
+        return build(args, model, device, stage, **_nvme_offload(args, stage))
     if system == "terascale-3-reshard":
         return _terascale(args, model, device, 3, stage3_max_reuse_distance=0)
     if system.startswith("terascale-"):
@@ -220,9 +254,15 @@ def worker(args: argparse.Namespace) -> None:
         peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     peaks = [None] * world
     dist.all_gather_object(peaks, peak_mib)
+    # What the -nvme systems really keep on disk: the bytes of this rank's swap files.
+    swap = Path(args.nvme_dir).resolve() / f"rank{rank}"
+    swap_mib = sum(f.stat().st_size for f in swap.rglob("*") if f.is_file()) / 2**20 if swap.exists() else 0.0
+    swaps = [None] * world
+    dist.all_gather_object(swaps, swap_mib)
     if rank == 0:
         Path(args.result).write_text(json.dumps({"times": times, "losses": losses, "peak_mib": peaks,
-                                                 "device": device.type}))
+                                                 "swap_mib": swaps, "device": device.type}))
+    shutil.rmtree(swap, ignore_errors=True)
     # Every rank leaves its last collective before any rank tears the group down: gloo can
     # abort a rank whose peer closes its sockets first.
     dist.barrier()
@@ -333,9 +373,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nGPT {args.layers} layers x {args.width}, vocab {args.vocab}, micro-batch {args.micro_batch} x "
           f"{args.seq} tokens, {args.nproc} ranks x {args.threads} thread(s), {_params(args) / 1e6:.1f}M params, fp32, {runs[base][0]['device']}, "
           f"{args.repeats} interleaved repeats x {args.steps - args.warmup} timed steps\n")
+    nvme = any(s.endswith("-nvme") for s in systems)
     print("| system | ms/step (median) | per-repeat medians | ratio to " + base + " | per-repeat ratios (median)"
-          + " | peak memory/rank (MiB) | loss step 1 → last | max Δloss vs " + base + " |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          + " | peak memory/rank (MiB) | loss step 1 → last | max Δloss vs " + base + " |"
+          + (" swap files/rank (MiB) |" if nvme else ""))
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if nvme else ""))
     base_rep = [statistics.median(res["times"][args.warmup:]) * 1e3 for res in runs[base]]
     worst = 0.0
     for system in systems:
@@ -355,7 +397,8 @@ def main(argv: list[str] | None = None) -> None:
         ratios = [a / b for a, b in zip(per_rep, base_rep)]
         print(f"| {system} | {ms:.1f} | {min(per_rep):.1f}–{max(per_rep):.1f} | {ms / base_ms:.3f} | "
               f"{statistics.median(ratios):.3f} | "
-              f"{' / '.join(f'{p:.0f}' for p in peaks)} | {losses[0]:.5f} → {losses[-1]:.5f} | {diff:.1e} |")
+              f"{' / '.join(f'{p:.0f}' for p in peaks)} | {losses[0]:.5f} → {losses[-1]:.5f} | {diff:.1e} |"
+              + (f" {' / '.join(f'{m:.0f}' for m in runs[system][0].get('swap_mib', []))} |" if nvme else ""))
     if worst > 1e-4:
         raise SystemExit(f"loss curves disagree by {worst:.2e} (> 1e-4): a system trains differently")
 

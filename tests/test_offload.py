@@ -34,7 +34,9 @@ def _swap_rank(path: str) -> dict:
     import terascale
 
     torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4)))
+    # Six layers: the gradient shards (6 x 2048 per rank) outgrow the two 4096-element
+    # optimizer buffers, so they go to disk too ([Note: gradient swapping]).
+    model = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(6)))
     config = {
         "train_batch_size": 8,
         "train_micro_batch_size_per_gpu": 4,
@@ -60,7 +62,7 @@ def _swap_rank(path: str) -> dict:
 
 
 def test_between_steps_the_optimizer_state_is_only_on_disk(tmp_path):
-    psi = 4 * 64 * 64
+    psi = 6 * 64 * 64
     for got in run_ranks(_swap_rank, 2, str(tmp_path)):
         mem = got["mem"]
         assert mem["optimizer_state"] == 0 and mem["master_params"] == 0
@@ -68,14 +70,15 @@ def test_between_steps_the_optimizer_state_is_only_on_disk(tmp_path):
         # and the bf16 gradient shards ([Note: gradient swapping]); no gradient in memory.
         assert mem["nvme"] == 12 * psi // 2 + 2 * psi // 2
         assert mem["grads"] == 0
-        assert got["files"] == ["run0.swp", "run1.swp"]  # 4096-element sub-groups
-        assert got["grad_files"] == [f"grad{g}.swp" for g in range(4)]  # one per layer
-        # Two optimizer buffers of a run, two of a 2048-element bf16 gradient shard.
-        assert 0 < mem["offload_buffers"] <= 2 * 12 * 4096 + 2 * 4096
+        assert got["files"] == ["run0.swp", "run1.swp", "run2.swp"]  # 4096-element sub-groups
+        assert got["grad_files"] == [f"grad{g}.swp" for g in range(6)]  # one per layer
+        # Two optimizer buffers of a run, two of a 2048-element bf16 gradient shard, and
+        # two of a run's 4096 bf16 gradient elements (the step reads one run ahead).
+        assert 0 < mem["offload_buffers"] <= 2 * 12 * 4096 + 2 * 4096 + 2 * 2 * 4096
         # Backward writes gradient shards and reads nothing of its own (one micro-step):
         # what it reads is the optimizer's first runs, read ahead of the step. Before
         # the first step they hold masters only (4 bytes an element), after it masters
-        # and moments (12); both runs fit the two buffers.
+        # and moments (12); two of the three runs fit the two buffers.
         assert got["read_in_backward"][0] == 2 * 4 * 4096
         assert got["read_in_backward"][1:] == [2 * 12 * 4096] * 2
     assert not any((tmp_path / "terascale_swap").rglob("*.swp"))
@@ -160,7 +163,8 @@ def _param_swap_rank(path: str) -> dict:
         engine.step()
     home = engine._state.params
     out = {"mem": engine.memory_breakdown(), "fetches": home.fetches, "ahead": home.fetches_ahead,
-           "gathers": engine._state.schedule.gathers, "files": len(list(home.directory.path.glob("*.swp")))}  # fmt: skip
+           "staged": home.staged_gathers, "gathers": engine._state.schedule.gathers,
+           "files": len(list(home.directory.path.glob("*.swp")))}  # fmt: skip
     engine.destroy()
     return out
 
@@ -174,7 +178,11 @@ def test_parameter_shards_live_on_disk_and_are_read_ahead(tmp_path):
         assert got["files"] == 6
         # Every gather reads its shard once (nothing stays in memory); each step gathers
         # the 6 groups for forward and all but the last again for backward, and after the
-        # first step the trace lets the reads start ahead of most gathers.
-        assert got["fetches"] == got["gathers"] == 12 + 11 + 11
+        # first step the trace lets the reads start ahead of most gathers. The forward
+        # after a step gathers its first two groups from the step's staging buffers
+        # (buffer_count 3 keeps 2; [Note: staged shards]) without reading them.
+        assert got["gathers"] == 12 + 11 + 11
+        assert got["staged"] == 2 * 2
+        assert got["fetches"] == got["gathers"] - got["staged"]
         assert got["ahead"] >= 2 * 11 - 4, got
         assert 0 < mem["offload_buffers"] <= 3 * 4 * 64 * 64 // 2

@@ -32,7 +32,7 @@ def store_options(section: Any, aio: Any = None) -> StoreOptions:
         contiguous=section.contiguous_memory_optimization,
         number_checkpoints=section.number_checkpoints,
         nvme_path=section.nvme_path,
-        aio=AioOptions.from_config(aio) if aio is not None else AioOptions(),
+        aio=AioOptions.from_config(aio, section.nvme_path) if aio is not None else AioOptions(),
     )
 
 

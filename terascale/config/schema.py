@@ -492,6 +492,8 @@ _LOOSE_SECTIONS = frozenset(
     [name for name, f in Config.model_fields.items() if f.annotation == LooseSection]
     + [f"zero_optimization.{name}" for name in ("zenflow", "zeropp_loco_param", "leaf_module")]
     + ["checkpoint.writer", "pipeline"]
+    # "auto" in aio asks the engine to measure the value on the NVMe path ([Note: the aio probe]).
+    + ["aio"]
 )
 
 

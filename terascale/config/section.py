@@ -56,7 +56,7 @@ class Section(BaseModel):
             if isinstance(value, str):
                 kinds = _number_kinds(cls, key)
                 if kinds:
-                    out[key] = _parse_number(value, int in kinds and float not in kinds)
+                    out[key] = parse_number(value, int in kinds and float not in kinds)
         return out
 
 
@@ -103,7 +103,7 @@ def _number_kinds(model: type[BaseModel], key: str) -> set[type]:
     return {k for k in kinds if k in (int, float)}
 
 
-def _parse_number(text: str, integer: bool) -> Any:
+def parse_number(text: str, integer: bool) -> Any:
     """The number ``text`` spells (``"5e8"``, ``"1_000"``, ``" 0.1 "``), else ``text`` itself
     (validation then reports it)."""
     try:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
-from terascale.config.section import Section
+from terascale.config.errors import field_for_key
+from terascale.config.section import Section, parse_number
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
@@ -162,12 +163,36 @@ class ZeroConfig(Section):
         return self
 
 
-class AioConfig(Section):
-    """``aio``: the asynchronous NVMe I/O engine (used only with NVMe offload)."""
+PositiveOrAuto = Annotated[int, Field(gt=0)] | Literal["auto"]
+_AIO_PROBED = ("block_size", "queue_depth", "thread_count")
 
-    block_size: int = Field(1_048_576, gt=0)
-    queue_depth: int = Field(8, gt=0)
-    thread_count: int = Field(1, gt=0, alias="intra_op_parallelism")
+
+class AioConfig(Section):
+    """``aio``: the asynchronous NVMe I/O engine (used only with NVMe offload).
+
+    The defaults are terascale's, measured (``bench/aio.py``): 4 MiB pieces, 8 in flight;
+    DeepSpeed's are 1 MiB and 8. ``"auto"`` for any of ``block_size``, ``queue_depth`` and
+    ``thread_count`` (or ``"aio": "auto"`` for all three) measures them on the NVMe path at
+    start-up ([Note: the aio probe]); ``"auto"`` here is data for the engine, not a value
+    an integration fills.
+    """
+
+    block_size: PositiveOrAuto = 4 << 20
+    queue_depth: PositiveOrAuto = 8
+    thread_count: PositiveOrAuto = Field(1, alias="intra_op_parallelism")
     single_submit: bool = False
     overlap_events: bool = True
     use_gds: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_and_number_strings(cls, data: Any) -> Any:
+        if data == "auto":
+            return dict.fromkeys(_AIO_PROBED, "auto")
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for key, value in data.items():  # "1e6" is a number here too, as in other sections
+            if field_for_key(cls, key) in _AIO_PROBED and isinstance(value, str) and value != "auto":
+                out[key] = parse_number(value, integer=True)
+        return out

@@ -30,6 +30,7 @@ from terascale.engine.parallel import ParallelLayout, join_model_parallel
 from terascale.engine.pipeline import pipeline_for
 from terascale.engine.precision import PrecisionPolicy
 from terascale.engine.resilience import Resilience
+from terascale.offload.aio import IoActivity
 from terascale.offload.policy import unpinned_keys
 from terascale.optim import build_optimizer, build_scheduler
 from terascale.zero import WrapPolicy
@@ -549,11 +550,18 @@ class Engine(nn.Module):
         fetch-wait times and the recompute's output bytes."""
         return self.activations.report()
 
-    def offload_io(self) -> dict[str, int]:
-        """Bytes this rank has read from and written to its NVMe swap files so far
-        (``{"read": ..., "written": ...}``; zeros without an NVMe tier): the traffic a
-        step costs is the difference across it."""
+    def offload_io(self) -> dict[str, float]:
+        """This rank's NVMe swap traffic so far: bytes ``read`` and ``written``, and the
+        seconds its I/O engine had reads, writes or either in flight (``read_busy_s``,
+        ``write_busy_s``, ``busy_s``); zeros without an NVMe tier. What a step costs is
+        the difference across it."""
         return self._state.offload_io()
+
+    def offload_activity(self) -> IoActivity | None:
+        """The activity record of this rank's NVMe swap engine (None without an NVMe tier):
+        set its ``recording`` to keep the spans with reads or writes in flight and the
+        spans the training thread waited for them (``bench/offload.py`` draws them)."""
+        return self._state.offload_activity()
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
         """Write ``{name: value}`` (a held-out loss: ``{"Eval/loss": ...}``) to the

@@ -50,6 +50,7 @@ from terascale.comm import ops as comm_ops
 from terascale.config import Config
 from terascale.comm.collectives import global_grad_sq_norm
 from terascale.engine.precision import MasterWeights, PrecisionPolicy
+from terascale.offload.aio import IoActivity
 from terascale.zero import ShardedState, WrapPolicy, zero_options
 from terascale.zero.flat_group import FlatLayout
 from terascale.zero.init import materialize
@@ -74,7 +75,9 @@ class ModelState(Protocol):
 
     def memory(self) -> dict[str, int]: ...
 
-    def offload_io(self) -> dict[str, int]: ...
+    def offload_io(self) -> dict[str, float]: ...
+
+    def offload_activity(self) -> IoActivity | None: ...
 
     def wait_breakdown(self) -> dict[str, float]: ...
 
@@ -222,8 +225,11 @@ class ReplicatedState:
             "master_params": _nbytes(masters) if masters else 0,
         }
 
-    def offload_io(self) -> dict[str, int]:
-        return {"read": 0, "written": 0}  # stage 0 has no offload tier
+    def offload_io(self) -> dict[str, float]:  # stage 0 has no offload tier
+        return {"read": 0, "written": 0, "read_busy_s": 0.0, "write_busy_s": 0.0, "busy_s": 0.0}
+
+    def offload_activity(self) -> IoActivity | None:
+        return None
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         pass  # every optimizer sees whole parameters at stage 0

@@ -1,6 +1,7 @@
 """Offload tiers: model states in host memory or on NVMe, moved by an asynchronous I/O engine."""
 
-from terascale.offload.aio import ALIGNMENT, AioError, AioOptions, AsyncIO, IoHandle, aligned_empty
+from terascale.offload.aio import AioError, AioOptions, AsyncIO, IoActivity, IoHandle
+from terascale.offload.host_buffers import ALIGNMENT, aligned_empty
 from terascale.offload.policy import OptimizerOffload, ParamOffload, optimizer_offload, param_offload
 
 __all__ = [
@@ -8,6 +9,7 @@ __all__ = [
     "AioError",
     "AioOptions",
     "AsyncIO",
+    "IoActivity",
     "IoHandle",
     "OptimizerOffload",
     "ParamOffload",

@@ -4,14 +4,24 @@
 ``os.preadv`` / ``os.pwritev`` release the GIL for the whole system call, so a pool of
 Python threads keeps as many requests in flight as it has threads, which is what a
 libaio queue does for one submitting thread. A request (one tensor to or from one file
-range) is cut into ``block_size`` pieces; the pool has ``thread_count x queue_depth``
-threads, so that many pieces are in flight at once. Files are opened with ``O_DIRECT``
-where the filesystem allows it, bypassing the page cache: a swap file is written once
-per step and read once per step, so caching it only evicts memory the model needs and
-doubles the copies. ``O_DIRECT`` needs the buffer address, file offset and length to be
-multiples of the device's block size; :func:`aligned_empty` makes such buffers, and a
-piece that is not aligned goes through an ordinary descriptor of the same file instead
-(Linux keeps the two coherent), so any tensor can be read or written, aligned ones fast.
+range) is cut into ``block_size`` pieces; the engine has ``thread_count x queue_depth``
+worker threads, so that many pieces are in flight at once. The workers take pieces from
+one priority queue: pieces someone is waiting for first, then reads, then writes, each
+in submission order. Reads are what a step waits for (a parameter shard, an optimizer
+run); writes are write-behind that only frees buffers, and a write someone waits for is
+promoted with the rest. Requests are independent: the engine does not order a read after
+an earlier write to the same bytes, so callers wait for such a write first (the swap
+tiers do). Files are opened with ``O_DIRECT`` where the filesystem allows it, bypassing
+the page cache: a swap file is written once per step and read once per step, so caching
+it only evicts memory the model needs and doubles the copies. ``O_DIRECT`` needs the
+buffer address, file offset and length to be multiples of the device's block size;
+:func:`aligned_empty` makes such buffers, and a piece that is not aligned goes through an
+ordinary descriptor of the same file instead (Linux keeps the two coherent), so any
+tensor can be read or written, aligned ones fast.
+
+Tried and measured against this design (``bench/aio.py --sweep``, RESULTS.md): the
+kernel's AIO queue (``io_submit``/``io_getevents`` through ctypes) and io_uring gave no
+more bandwidth than threads; the buffers' pages did (see [Note: huge-page I/O buffers]).
 
 A handle's ``wait()`` raises :class:`AioError` naming the file, offset and length of the
 first failed piece (missing or read-only directory, no space left, short read); a write
@@ -21,20 +31,33 @@ whose handle raised must be treated as not written.
 from __future__ import annotations
 
 import errno
+import heapq
+import itertools
 import os
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+import weakref
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from terascale.comm.ops import named_range
+from terascale.offload.host_buffers import ALIGNMENT, aligned_empty
 
-ALIGNMENT = 4096  # bytes; a multiple of every logical block size O_DIRECT may need
+__all__ = ["ALIGNMENT", "AioError", "AioOptions", "AsyncIO", "IoActivity", "IoHandle", "aligned_empty"]
+
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+# Defaults measured on this project's disk (bench/aio.py --sweep, RESULTS.md): 4 MiB
+# pieces on huge-page buffers, 8 in flight. The config's defaults are these.
+DEFAULT_BLOCK_SIZE = 4 << 20
+DEFAULT_QUEUE_DEPTH = 8
+DEFAULT_THREAD_COUNT = 1
+
+# Queue priorities: lower runs first.
+_WAITED, _READ, _WRITE = 0, 1, 2
 
 
 class AioError(OSError):
@@ -46,15 +69,16 @@ class AioOptions:
     """The ``aio`` config section as the engine uses it.
 
     ``block_size``: bytes per piece; ``queue_depth``: pieces in flight per I/O thread;
-    ``thread_count``: I/O threads (DeepSpeed's ``intra_op_parallelism``);
-    ``single_submit``: issue a request's pieces one after another rather than all at once;
-    ``overlap_events``: let a new request start while earlier ones are in flight (False
-    finishes each request before the next is submitted).
+    ``thread_count``: I/O threads (DeepSpeed's ``intra_op_parallelism``); the engine runs
+    ``thread_count x queue_depth`` workers. ``single_submit``: a request's pieces go one
+    after another on one worker rather than to all at once; ``overlap_events``: let a
+    new request start while earlier ones are in flight (False finishes each request
+    before the next is submitted).
     """
 
-    block_size: int = 1 << 20
-    queue_depth: int = 8
-    thread_count: int = 1
+    block_size: int = DEFAULT_BLOCK_SIZE
+    queue_depth: int = DEFAULT_QUEUE_DEPTH
+    thread_count: int = DEFAULT_THREAD_COUNT
     single_submit: bool = False
     overlap_events: bool = True
 
@@ -64,30 +88,25 @@ class AioOptions:
         if self.queue_depth <= 0 or self.thread_count <= 0:
             raise ValueError("aio.queue_depth and aio.thread_count must be positive")
 
+    @property
+    def workers(self) -> int:
+        """Pieces in flight at once."""
+        return self.thread_count * self.queue_depth
+
     @classmethod
-    def from_config(cls, aio: object) -> AioOptions:
-        """From a :class:`terascale.config.schema.AioConfig` (or anything with its fields)."""
-        return cls(
-            block_size=aio.block_size,
-            queue_depth=aio.queue_depth,
-            thread_count=aio.thread_count,
-            single_submit=aio.single_submit,
-            overlap_events=aio.overlap_events,
-        )
+    def from_config(cls, aio: object, directory: str | os.PathLike | None = None) -> AioOptions:
+        """From a :class:`terascale.config.schema.AioConfig` (or anything with its fields).
 
+        ``"auto"`` values are measured on ``directory`` (the NVMe path the engine will use)
+        by :func:`terascale.offload.probe.probe_options`, once per device; without a
+        directory they are the defaults.
+        """
+        given = {name: getattr(aio, name) for name in ("block_size", "queue_depth", "thread_count")}
+        if "auto" in given.values():
+            from terascale.offload.probe import probe_options  # probe imports this module
 
-def aligned_empty(numel: int, dtype: torch.dtype, *, pin_memory: bool = False) -> torch.Tensor:
-    """An uninitialised 1-D host tensor whose data starts on an ``ALIGNMENT`` boundary and
-    whose storage extends to a whole number of ``ALIGNMENT`` blocks past it, so that it
-    can be read or written with ``O_DIRECT`` (``pin_memory`` where a GPU is present)."""
-    nbytes = _round_up(max(numel, 1) * dtype.itemsize, ALIGNMENT)
-    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=pin_memory)
-    shift = (-raw.data_ptr()) % ALIGNMENT
-    return raw[shift : shift + nbytes].view(dtype)[:numel]
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple
+            given = probe_options(directory, {k: v for k, v in given.items() if v != "auto"})
+        return cls(**given, single_submit=aio.single_submit, overlap_events=aio.overlap_events)
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
@@ -98,36 +117,172 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
 
 
+class IoActivity:
+    """When the engine's workers were busy: seconds with at least one read (write) piece
+    in flight, and, while :attr:`recording`, those spans themselves and the spans the
+    owner thread spent waiting, as ``(start, end, kind)`` on ``time.perf_counter``'s clock
+    (``kind`` "read", "write" or "wait"; the newest ``max_spans`` are kept)."""
+
+    def __init__(self, max_spans: int = 1 << 16) -> None:
+        self.busy_s = {"read": 0.0, "write": 0.0, "any": 0.0}
+        self.spans: deque[tuple[float, float, str]] = deque(maxlen=max_spans)
+        self.recording = False
+        self._in_flight = {"read": 0, "write": 0, "any": 0}
+        self._since = {"read": 0.0, "write": 0.0, "any": 0.0}
+
+    def begin(self, op: str, now: float) -> None:  # called under the engine's lock
+        for kind in (op, "any"):
+            if self._in_flight[kind] == 0:
+                self._since[kind] = now
+            self._in_flight[kind] += 1
+
+    def end(self, op: str, now: float) -> None:  # called under the engine's lock
+        for kind in (op, "any"):
+            self._in_flight[kind] -= 1
+            if self._in_flight[kind] == 0:
+                self.busy_s[kind] += now - self._since[kind]
+                if self.recording and kind != "any":
+                    self.spans.append((self._since[kind], now, kind))
+
+    def busy(self, now: float | None = None) -> dict[str, float]:
+        """``busy_s`` including spans still open at ``now``."""
+        now = time.perf_counter() if now is None else now
+        return {k: v + (now - self._since[k] if self._in_flight[k] else 0.0) for k, v in self.busy_s.items()}
+
+
+class _Request:
+    """One submitted read or write: its pieces, how many are unfinished, its first error."""
+
+    __slots__ = ("op", "fds", "view", "addr", "offset", "path", "block", "pieces", "pending", "error", "error_at",
+                 "finished")
+
+    def __init__(self, op: str, fds: tuple[int, int | None], view: memoryview, addr: int, offset: int, path: Path,
+                 block: int) -> None:
+        self.op, self.fds, self.view, self.addr, self.offset, self.path = op, fds, view, addr, offset, path
+        self.block = block  # bytes per system call
+        self.pieces: list[list] = []  # [request, lo, hi, claimed]
+        self.pending = 0
+        self.error: BaseException | None = None
+        self.error_at = 0  # the failed piece's first byte
+        self.finished = threading.Event()
+
+
+class _Workers:
+    """The worker threads and their priority queue. Kept apart from :class:`AsyncIO` so
+    that a finaliser can stop the threads of an engine nobody closed (at exit, or when it
+    is collected) after finishing what was queued."""
+
+    def __init__(self, count: int, trace_name: str | None, activity: IoActivity) -> None:
+        self.count = count
+        self.trace_name = trace_name
+        self.activity = activity
+        self.cv = threading.Condition()
+        self.heap: list[tuple[int, int, list]] = []
+        self.seq = itertools.count()
+        self.threads: list[threading.Thread] = []
+        self.closed = False
+
+    def push(self, pieces: list[list], priority: int) -> None:
+        with self.cv:
+            assert not self.closed, "the I/O engine is closed"
+            if not self.threads:
+                self.threads = [threading.Thread(target=self._run, name=f"terascale-aio-{i}", daemon=True)
+                                for i in range(self.count)]  # fmt: skip
+                for t in self.threads:
+                    t.start()
+            for piece in pieces:
+                heapq.heappush(self.heap, (priority, next(self.seq), piece))
+            self.cv.notify(len(pieces))
+
+    def promote(self, request: _Request) -> None:
+        """Move ``request``'s pieces that no worker took yet to the front of the queue."""
+        with self.cv:
+            waiting = [p for p in request.pieces if not p[3]]
+            for piece in waiting:  # the old entries are skipped once these are claimed
+                heapq.heappush(self.heap, (_WAITED, next(self.seq), piece))
+
+    def _run(self) -> None:
+        cv, heap, activity = self.cv, self.heap, self.activity
+        while True:
+            with cv:
+                while True:
+                    while not heap and not self.closed:
+                        cv.wait()
+                    if not heap:
+                        return
+                    piece = heapq.heappop(heap)[2]
+                    if not piece[3]:
+                        break
+                piece[3] = True
+                request = piece[0]
+                activity.begin(request.op, time.perf_counter())
+            try:
+                if request.error is None:
+                    if self.trace_name is None:
+                        _transfer(request, piece[1], piece[2])
+                    else:
+                        with named_range(self.trace_name, request.op):
+                            _transfer(request, piece[1], piece[2])
+            except BaseException as exc:  # noqa: BLE001  (handed to whoever waits)
+                with cv:  # the error of the first failed piece in the file, whichever ran first
+                    if request.error is None or piece[1] < request.error_at:
+                        request.error, request.error_at = exc, piece[1]
+            finally:
+                with cv:
+                    activity.end(request.op, time.perf_counter())
+                    request.pending -= 1
+                    if request.pending == 0:
+                        # Let go of the caller's memory now, not when the garbage collector
+                        # finds the request <-> pieces cycle: buffers are often gigabytes.
+                        request.view = None
+                        request.pieces = []
+                        request.finished.set()
+
+    def shutdown(self) -> None:
+        """Finish the queued pieces, then stop the threads."""
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+            threads = self.threads
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join()
+
+
 class IoHandle:
     """One submitted read or write; :meth:`wait` blocks until every piece is done."""
 
-    def __init__(self, description: str, futures: list[Future], nbytes: int, engine: AsyncIO | None = None) -> None:
+    def __init__(self, description: str, request: _Request, nbytes: int, engine: AsyncIO | None = None) -> None:
         self.description = description
         self.nbytes = nbytes
         self.waited = False  # a handle's error is raised to whoever waits first, once
-        self._futures = futures
+        self._request = request
         self._engine = engine
 
     def done(self) -> bool:
-        return all(f.done() for f in self._futures)
+        return self._request.finished.is_set()
 
     def unreported_error(self) -> bool:
         """Whether the finished request failed and nobody has waited for it yet."""
-        return not self.waited and any(f.exception() is not None for f in self._futures)
+        return not self.waited and self.done() and self._request.error is not None
 
     def wait(self) -> int:
         """Block until the request completes; return its bytes or raise :class:`AioError`."""
         self.waited = True
-        error = None
-        started = time.perf_counter()
-        for f in self._futures:  # wait for all, so no piece still runs after an error
-            exc = f.exception()
-            if exc is not None and error is None:
-                error = exc
-        if self._engine is not None and threading.get_ident() == self._engine.owner_thread:
-            self._engine.blocked_s += time.perf_counter() - started
-        if error is not None:
-            raise error
+        request = self._request
+        if not request.finished.is_set():
+            engine = self._engine
+            if engine is not None:
+                engine._workers.promote(request)
+            started = time.perf_counter()
+            request.finished.wait()
+            if engine is not None and threading.get_ident() == engine.owner_thread:
+                now = time.perf_counter()
+                engine.blocked_s += now - started
+                if engine.activity.recording:
+                    engine.activity.spans.append((started, now, "wait"))
+        if request.error is not None:
+            raise request.error
         return self.nbytes
 
 
@@ -137,20 +292,22 @@ class AsyncIO:
     ``read`` and ``write`` return an :class:`IoHandle` at once; ``synchronize()`` waits for
     everything submitted so far. ``direct=False`` never uses ``O_DIRECT``; with True it is
     used wherever the filesystem accepts it (tmpfs, for one, does not: see
-    :attr:`direct_paths`). Use as a context manager or call :meth:`close`. With
-    ``trace_name``, each transfer shows in a torch profiler trace as a range
-    ``"<trace_name> read"`` or ``"<trace_name> write"`` on its I/O thread.
+    :attr:`direct_paths`). Use as a context manager or call :meth:`close`; an engine left
+    open finishes its queued requests when collected or at exit. With ``trace_name``,
+    each piece shows in a torch profiler trace as a range ``"<trace_name> read"`` or
+    ``"<trace_name> write"`` on its I/O thread. :attr:`activity` says when the workers
+    were busy (see :class:`IoActivity`).
     """
 
     def __init__(self, options: AioOptions | None = None, *, direct: bool = True, trace_name: str | None = None) -> None:
         self.options = options or AioOptions()
         self._direct = direct and _O_DIRECT != 0
         self.trace_name = trace_name
-        self._pool = ThreadPoolExecutor(
-            max_workers=self.options.thread_count * self.options.queue_depth, thread_name_prefix="terascale-aio"
-        )
+        self.activity = IoActivity()
+        self._workers = _Workers(self.options.workers, trace_name, self.activity)
+        self._finalizer = weakref.finalize(self, _Workers.shutdown, self._workers)
         self._lock = threading.Lock()
-        self._fds: dict[tuple[str, bool], int] = {}
+        self._fds: dict[tuple[str, bool], int | None] = {}
         self._outstanding: list[IoHandle] = []
         self.direct_paths: set[str] = set()  # files opened with O_DIRECT
         self.bytes_read = 0  # submitted so far (for reports: traffic per step)
@@ -206,24 +363,28 @@ class AsyncIO:
         view = _byte_view(tensor)
         nbytes = len(view)
         fds = self._open(path, op)
-        step = self.options.block_size
-        pieces = [(lo, min(lo + step, nbytes)) for lo in range(0, nbytes, step)]
         if not self.options.overlap_events:
             self.synchronize()
         addr = tensor.data_ptr()
+        request = _Request(op, fds, view, addr, offset, path, self.options.block_size)
         if self.options.single_submit:
-            futures = [self._pool.submit(self._run, self._transfer_all, op, fds, view, addr, offset, pieces, path)]
+            cuts = [0, nbytes] if nbytes else [0]
         else:
-            futures = [self._pool.submit(self._run, self._transfer, op, fds, view, addr, offset, lo, hi, path) for lo, hi in pieces]
-        desc = f"{op} of {nbytes} bytes at offset {offset} of '{path}'"
+            cuts = _cuts(addr, offset, nbytes, self.options.block_size)
+        request.pieces = [[request, lo, hi, False] for lo, hi in zip(cuts, cuts[1:])]
+        request.pending = len(request.pieces)
         if op == "read":
             self.bytes_read += nbytes
         else:
             self.bytes_written += nbytes
-        handle = IoHandle(desc, futures, nbytes, self)
+        handle = IoHandle(f"{op} of {nbytes} bytes at offset {offset} of '{path}'", request, nbytes, self)
         with self._lock:
             # Finished requests are forgotten unless their error still awaits a waiter.
             self._outstanding = [h for h in self._outstanding if not h.done() or h.unreported_error()] + [handle]
+        if request.pieces:
+            self._workers.push(request.pieces, _READ if op == "read" else _WRITE)
+        else:
+            request.finished.set()
         return handle
 
     # -- files -------------------------------------------------------------------------------
@@ -275,7 +436,7 @@ class AsyncIO:
         try:
             self.synchronize()
         finally:
-            self._pool.shutdown(wait=True)
+            self._finalizer()
             with self._lock:
                 for fd in self._fds.values():
                     if fd is not None:
@@ -288,41 +449,54 @@ class AsyncIO:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- pieces (run on the I/O threads) -----------------------------------------------------
 
-    def _run(self, transfer: Callable[..., None], op: str, *args: object) -> None:
-        """``transfer(op, *args)`` on an I/O thread, inside a trace range if this engine names one."""
-        if self.trace_name is None:
-            transfer(op, *args)
-            return
-        with named_range(self.trace_name, op):
-            transfer(op, *args)
+def _cuts(addr: int, offset: int, nbytes: int, block: int) -> list[int]:
+    """Where a request of ``nbytes`` from memory ``addr`` to file ``offset`` is cut into
+    pieces of at most ``block`` bytes: when the memory and the file are misaligned alike,
+    an unaligned head and tail (under 4 KiB each) are cut off so that every piece between
+    them can go O_DIRECT; otherwise every ``block`` bytes."""
+    if nbytes == 0:
+        return [0]
+    if (addr - offset) % ALIGNMENT:
+        return [*range(0, nbytes, block), nbytes]
+    head = min((-offset) % ALIGNMENT, nbytes)
+    end = head + (nbytes - head) // ALIGNMENT * ALIGNMENT
+    cuts = [0] if head == 0 else [0, head]
+    cuts += range(head + block, end, block)
+    if end > cuts[-1]:
+        cuts.append(end)
+    if nbytes > cuts[-1]:
+        cuts.append(nbytes)
+    return cuts
 
-    def _transfer(self, op: str, fds: tuple[int, int | None], view: memoryview, addr: int, offset: int,
-                  lo: int, hi: int, path: Path) -> None:
-        plain, direct = fds
-        aligned = not ((addr + lo) % ALIGNMENT or (offset + lo) % ALIGNMENT or (hi - lo) % ALIGNMENT)
-        fd = direct if direct is not None and aligned else plain
-        piece, done, want = view[lo:hi], 0, hi - lo
-        call = os.preadv if op == "read" else os.pwritev
-        while done < want:
-            try:
-                moved = call(fd, [piece[done:]], offset + lo + done)
-            except OSError as exc:
-                raise AioError(exc.errno, _explain(exc, op, path, offset + lo, want), str(path)) from exc
-            if moved == 0:  # only a read returns 0: the end of the file
-                raise AioError(
-                    errno.EIO,
-                    f"short read of '{path}': wanted bytes [{offset + lo}, {offset + hi}) but the "
-                    f"file ends at {offset + lo + done}; it was not fully written or is another file",
-                    str(path),
-                )
-            done += moved
 
-    def _transfer_all(self, op: str, fds: tuple[int, int | None], view: memoryview, addr: int, offset: int,
-                      pieces: list[tuple[int, int]], path: Path) -> None:
-        for lo, hi in pieces:
-            self._transfer(op, fds, view, addr, offset, lo, hi, path)
+def _transfer(request: _Request, lo: int, hi: int) -> None:
+    """Move bytes ``[lo, hi)`` of ``request``, one system call per ``block_size`` (a piece of
+    a ``single_submit`` request spans the whole request)."""
+    for a in range(lo, hi, request.block):
+        _transfer_block(request, a, min(a + request.block, hi))
+
+
+def _transfer_block(request: _Request, lo: int, hi: int) -> None:
+    op, (plain, direct), view, addr, offset, path = (
+        request.op, request.fds, request.view, request.addr, request.offset, request.path)  # fmt: skip
+    aligned = not ((addr + lo) % ALIGNMENT or (offset + lo) % ALIGNMENT or (hi - lo) % ALIGNMENT)
+    fd = direct if direct is not None and aligned else plain
+    call = os.preadv if op == "read" else os.pwritev
+    piece, done, want = view[lo:hi], 0, hi - lo
+    while done < want:
+        try:
+            moved = call(fd, [piece[done:]], offset + lo + done)
+        except OSError as exc:
+            raise AioError(exc.errno, _explain(exc, op, path, offset + lo, want), str(path)) from exc
+        if moved == 0:  # only a read returns 0: the end of the file
+            raise AioError(
+                errno.EIO,
+                f"short read of '{path}': wanted bytes [{offset + lo}, {offset + hi}) but the "
+                f"file ends at {os.fstat(fd).st_size}; it was not fully written or is another file",
+                str(path),
+            )
+        done += moved
 
 
 def _explain(exc: OSError, op: str, path: Path, offset: int | None = None, nbytes: int | None = None) -> str:

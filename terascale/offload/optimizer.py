@@ -25,6 +25,13 @@ under the next forward; a read of a file first waits for its pending write), and
 into the free buffers under that backward. :meth:`flush` (before anything reads the
 files otherwise, and at close) waits for both.
 
+So a step moves on the disk only the runs beyond ``buffer_count``: with at most that many
+runs, every read happens under backward and every write under the next forward. Runs
+swapped to NVMe therefore end at a group end only from four million elements (48 MB of
+masters and Adam moments; a million otherwise): large enough that small models fit the
+default four buffers and that each run's I/O fills the engine's queue, small enough
+that the buffers stay a few hundred MB (``sub_group_size`` caps them further).
+
 Each rank reads and writes only its own runs, so with one disk per rank (or one fast
 array) the aggregate bandwidth grows with the ranks.
 """
@@ -40,6 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from terascale.offload.aio import AsyncIO, IoHandle
+from terascale.offload.host_buffers import aligned_empty
 from terascale.offload.swap import BufferPool, SwapDirectory, WriteBehind, round_up
 
 if TYPE_CHECKING:
@@ -166,7 +174,7 @@ class OptimizerSwapper:
         bufs = []
         try:
             for k in range(len(self.runs)):
-                buf = torch.empty(self._nbytes[k], dtype=torch.uint8)
+                buf = aligned_empty(self._nbytes[k], torch.uint8)
                 self.aio.sync_read(buf, self._file(k))
                 self._bind(k, buf, None)
                 bufs.append(buf)
@@ -267,10 +275,9 @@ class OptimizerSwapper:
         return sum(self._nbytes)
 
     def close(self) -> None:
-        """Finish I/O, stop the I/O threads and delete this rank's swap files."""
+        """Finish this tier's I/O and delete its swap files (the engine's owner closes it)."""
         try:
             self.flush()
-            self.aio.close()
         finally:
             self.directory.remove()
 

@@ -14,14 +14,29 @@ shards of the non-persistent groups live on a tier between those moments:
   goes back to the pool at once. The optimizer step writes each updated piece of a shard
   straight into its file (the file holds the shard's bytes at their offsets; padding and
   frozen elements never change), so a step never reads shards back. The step stages
-  those pieces in the same pool buffers (no fetch holds one during the step), so the
-  step adds no host memory of its own. The first groups, up to ``max_in_cpu``
-  elements, stay in host memory and have no file.
+  a group's pieces in one pool buffer laid out as its file (no fetch holds one during
+  the step), so the step adds no host memory of its own, and returns with the last
+  writes in flight: they finish under the next forward.
+- The step's staging buffers double as the next forward's fetches ([Note: staged
+  shards]). The first groups, up to ``max_in_cpu`` elements, stay in host memory and
+  have no file.
 
-Each group's shard is in one of three residency states: RESIDENT (``fg.shard`` holds the
-values), FETCHING (a read into a pool buffer is in flight) or OFFLOADED (only the file
-holds them; ``fg.shard`` is an empty placeholder). A fetch never takes the pool's last
-buffer, so the gather that needs a shard now always finds one.
+Each group's shard is in one of four residency states: RESIDENT (``fg.shard`` holds the
+values), FETCHING (a read into a pool buffer is in flight), STAGED (the last step left
+the values in a pool buffer, whose writes may still be in flight) or OFFLOADED (only the
+file holds them; ``fg.shard`` is an empty placeholder). A fetch never takes the pool's
+last buffer, so the gather that needs a shard now always finds one.
+
+[Note: staged shards]
+The forward after a step gathers the groups in the order the step wrote them, and a
+read of a shard would first have to wait for the step's write of it. So the step keeps
+the staging buffers of its first groups (all but one of the pool's buffers; the last
+cycles through the other groups) as those groups' fetched shards: the forward gathers
+them from memory, and their writes finish under it; a buffer goes back to the pool once
+its group is gathered and its writes are done. Only a shard the step wrote whole (every
+element of a parameter: no frozen ones) is kept; the rest of a staging buffer is padding.
+On the 16.8M-parameter GPT of ``bench/step_time.py`` this takes every parameter read out
+of the forward after a step.
 """
 
 from __future__ import annotations
@@ -35,8 +50,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from terascale.offload.aio import AsyncIO, IoHandle
+from terascale.offload.host_buffers import aligned_empty, round_up
 from terascale.offload.policy import ParamOffload
-from terascale.offload.swap import BufferPool, SwapDirectory, WriteBehind
+from terascale.offload.swap import BufferPool, SwapDirectory
 
 if TYPE_CHECKING:
     from terascale.zero.flat_group import FlatParamGroup
@@ -45,13 +61,35 @@ if TYPE_CHECKING:
 class Residency(enum.Enum):
     RESIDENT = "resident"
     FETCHING = "fetching"
+    STAGED = "staged"
     OFFLOADED = "offloaded"
 
 
-class OffloadedParams:
-    """Shards of the groups :meth:`add`-ed with ``offload`` on ``policy``'s tier (a :class:`ShardHome`)."""
+class _Staging:
+    """A group's staging buffer in a step: the file's image, the step's writes from it,
+    the elements written, and whether it is kept as the group's next fetch."""
 
-    def __init__(self, policy: ParamOffload, rank: int) -> None:
+    def __init__(self, buf: torch.Tensor, keep: bool) -> None:
+        self.buf = buf
+        self.keep = keep
+        self.writes: list[IoHandle] = []
+        self.written = 0  # elements
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.writes)
+
+    def wait(self) -> None:
+        for h in self.writes:
+            h.wait()
+
+
+class OffloadedParams:
+    """Shards of the groups :meth:`add`-ed with ``offload`` on ``policy``'s tier (a :class:`ShardHome`).
+
+    On NVMe the shards move through ``aio``, the rank's swap engine (its owner closes it).
+    """
+
+    def __init__(self, policy: ParamOffload, rank: int, aio: AsyncIO | None = None) -> None:
         assert policy.enabled
         self.groups: list[FlatParamGroup] = []
         self._index: dict[int, int] = {}
@@ -60,17 +98,21 @@ class OffloadedParams:
         self._pending: dict[int, tuple[torch.Tensor, IoHandle]] = {}
         self.fetches = 0  # reads issued (for tests and reports)
         self.fetches_ahead = 0  # of which started ahead of the gather that needed them
+        self.staged_gathers = 0  # gathers served by a step's staging buffer: no read at all
         self._pin = policy.pin_memory  # the policy pins only where an accelerator is
         self._kept_numel = 0  # elements of shards kept in host memory under max_in_cpu
         self._disk_nbytes = 0
+        self._staging: dict[int, _Staging] = {}  # groups the last step wrote, in its order
+        self._kept = 0  # staging buffers of this step kept as fetches ([Note: staged shards])
+        self._whole: dict[int, int] = {}  # elements of each shard that belong to a parameter
         if policy.device == "cpu":
-            self.directory = self.aio = self.pool = self.writes = None
+            self.directory = self.aio = self.pool = None
             return
+        assert aio is not None, "parameter shards on NVMe need the rank's swap engine"
         self.directory = SwapDirectory(policy.nvme_path, "params", rank)
-        self.aio = AsyncIO(policy.aio, trace_name="terascale::swap")
+        self.aio = aio
         # Buffers as large as the largest shard, not buffer_size: that is all a fetch needs.
         self.pool = BufferPool(max(2, policy.buffer_count), pin_memory=self._pin)
-        self.writes = WriteBehind(self.pool, self.aio)  # the step's piece writes
 
     def add(self, fg: FlatParamGroup, offload: bool) -> None:
         """Take group ``fg`` (the next group in order) onto the tier if ``offload``; on
@@ -94,16 +136,26 @@ class OffloadedParams:
         if self._kept_numel + numel <= self.policy.max_in_cpu:
             self._kept_numel += numel
             return
-        self.pool.reserve(_shard_nbytes(fg))
-        self._disk_nbytes += _shard_nbytes(fg)
+        self.pool.reserve(_file_nbytes(fg))
+        self._disk_nbytes += _file_nbytes(fg)
         self.directory.require_free(self._disk_nbytes, "offload_param")
-        self.aio.sync_write(fg.shard.detach().cpu().contiguous(), self._file(g))
+        self._write_whole(g, fg.shard)
+        lo, hi = fg.layout.shard_range(fg.rank)
+        self._whole[g] = sum(max(0, min(hi, s.offset + s.numel) - max(lo, s.offset)) for s in fg.layout.slots)
         fg.shard = torch.empty(0, dtype=fg.dtype, device=fg.device)
         self.state[g] = Residency.OFFLOADED
         fg.home = self
 
     def _file(self, g: int) -> Path:
         return self.directory.file(f"group{g}")
+
+    def _write_whole(self, g: int, shard: torch.Tensor) -> None:
+        """Write group ``g``'s file: ``shard``, padded to whole 4 KiB blocks so that reads
+        of it go O_DIRECT from end to end."""
+        buf = aligned_empty(_file_nbytes(self.groups[g]), torch.uint8)
+        buf[: shard.numel() * shard.element_size()].view(shard.dtype).copy_(shard.detach().reshape(-1))
+        buf[shard.numel() * shard.element_size() :].zero_()
+        self.aio.sync_write(buf, self._file(g))
 
     # -- ShardHome ---------------------------------------------------------------------------
 
@@ -126,33 +178,64 @@ class OffloadedParams:
         if self.state[g] is Residency.FETCHING:
             buf, handle = self._pending[g]
             handle.wait()
-            fg.shard = buf[: _shard_nbytes(fg)].view(fg.dtype)
-            if fg.device.type != "cpu":
-                fg.shard = fg.shard.to(fg.device)
+        elif self.state[g] is Residency.STAGED:
+            buf = self._staging[g].buf
+            self.staged_gathers += 1
+        else:
+            return
+        fg.shard = buf[: _shard_nbytes(fg)].view(fg.dtype)
+        if fg.device.type != "cpu":
+            fg.shard = fg.shard.to(fg.device)
 
     def consumed(self, fg: FlatParamGroup) -> None:
         g = self._index[id(fg)]
         if g in self._pending:
             buf, _ = self._pending.pop(g)
             self.pool.release(buf)
-            fg.shard = torch.empty(0, dtype=fg.dtype, device=fg.device)
-            self.state[g] = Residency.OFFLOADED
+        elif self.state.get(g) is Residency.STAGED:
+            self._staging[g].keep = False  # its buffer goes back once its writes are done
+            self._reap()
+        else:
+            return
+        fg.shard = torch.empty(0, dtype=fg.dtype, device=fg.device)
+        self.state[g] = Residency.OFFLOADED
 
     def _start_read(self, g: int) -> None:
         fg = self.groups[g]
+        if g in self._staging:  # the step's writes of this shard come first
+            self._retire(g)
         buf = self.pool.acquire()
-        self._pending[g] = (buf, self.aio.read(buf[: _shard_nbytes(fg)], self._file(g)))
+        self._pending[g] = (buf, self.aio.read(buf[: _file_nbytes(fg)], self._file(g)))
         self.state[g] = Residency.FETCHING
         self.fetches += 1
 
     def _spare_buffers(self, n: int, wait: bool = False) -> bool:
-        # A read must see the step's writes, which also give their buffers back. Then
-        # only fetches hold pool buffers: each is released when its gather has copied it.
-        self._drain_writes()
-        if self.pool.free() >= n:
-            return True
-        assert not wait, "every parameter buffer is held by a fetch; raise offload_param.buffer_count"
-        return False
+        """Whether ``n`` pool buffers are free (staging buffers whose writes are done and
+        that are not kept give theirs back); with ``wait``, wait for such writes, then
+        drop staged shards, until they are."""
+        self._reap()
+        if self.pool.free() >= n or not wait:
+            return self.pool.free() >= n
+        for keep in (False, True):
+            for g in [g for g, st in self._staging.items() if st.keep is keep]:
+                if self.pool.free() >= n:
+                    break
+                self._retire(g)
+        # Now only fetches hold buffers, each released when its gather has copied it.
+        assert self.pool.free() >= n, "every parameter buffer is held by a fetch; raise offload_param.buffer_count"
+        return True
+
+    def _reap(self) -> None:
+        for g in [g for g, st in self._staging.items() if not st.keep and st.done()]:
+            self._retire(g)
+
+    def _retire(self, g: int) -> None:
+        """Wait for the step's writes of group ``g`` and give its staging buffer back."""
+        staging = self._staging.pop(g)
+        staging.wait()  # raises a failed write here
+        self.pool.release(staging.buf)
+        if self.state.get(g) is Residency.STAGED:
+            self.state[g] = Residency.OFFLOADED
 
     # -- the optimizer step writes shards ------------------------------------------------------
 
@@ -165,48 +248,73 @@ class OffloadedParams:
             return
         assert self.state[g] is Residency.OFFLOADED, f"write to group {g} while {self.state[g]}"
         assert not self._pending, "settle() before the step writes"
-        # A piece lies within one shard, and a pool buffer holds the largest shard.
-        nbytes = values.numel() * fg.dtype.itemsize
-        buf = self.writes.acquire()
-        staged = buf[:nbytes]
+        staging = self._staging.get(g) or self._stage(g)
+        # The buffer is laid out as the file: a piece's memory is as misaligned as its file
+        # offset, so all of it but an unaligned head and tail goes O_DIRECT.
+        at, nbytes = lo * fg.dtype.itemsize, values.numel() * fg.dtype.itemsize
+        staged = staging.buf[at : at + nbytes]
         staged.view(fg.dtype).copy_(values.detach().reshape(-1))
-        self.writes.write(buf, staged, self._file(g), lo * fg.dtype.itemsize)
+        staging.writes.append(self.aio.write(staged, self._file(g), at))
+        staging.written += values.numel()
 
-    def _drain_writes(self) -> None:
-        if self.writes is not None:
-            self.writes.drain()
+    def _stage(self, g: int) -> _Staging:
+        """A pool buffer for group ``g``'s pieces in this step; the first groups' are kept
+        as their next fetch, the others cycle through what is left."""
+        keep = self._kept < self.pool.count - 1
+        if not self.pool.available():  # wait for the oldest cycling buffer's writes
+            self._retire(next(h for h, st in self._staging.items() if not st.keep))
+        staging = _Staging(self.pool.acquire(), keep)
+        self._kept += keep
+        self._staging[g] = staging
+        return staging
 
     def settle(self) -> None:
-        """Drop fetches nobody gathered (a trace that changed); before the step writes."""
+        """Drop fetches and staged shards nobody gathered (a trace that changed), and wait
+        for the last step's writes; before the step writes."""
         for g in list(self._pending):
             buf, handle = self._pending.pop(g)
             handle.wait()
             self.pool.release(buf)
             self.state[g] = Residency.OFFLOADED
+        self._settle_staging()
+
+    def _settle_staging(self) -> None:
+        for g in list(self._staging):
+            self._retire(g)
 
     def finish_step(self) -> None:
-        """Wait for the step's writes (the next gathers read the files)."""
-        self._drain_writes()
+        """Keep the step's first staging buffers whose shard it wrote whole as those groups'
+        next fetches; the rest go back as their writes finish ([Note: staged shards])."""
+        if self.pool is None:
+            return
+        for g, staging in self._staging.items():
+            if staging.keep and staging.written == self._whole[g]:
+                self.state[g] = Residency.STAGED
+            else:
+                staging.keep = False
+        self._kept = 0
+        self._reap()
 
     @contextmanager
     def resident(self, indices: Sequence[int], write_back: bool) -> Iterator[None]:
         """Hold the shards of groups ``indices`` in memory (read synchronously); with
         ``write_back`` their (modified) values go back to the files on exit."""
-        self._drain_writes()
+        if self.pool is not None:
+            self._settle_staging()
         loaded = []
         try:
             for g in indices:
                 if self.state.get(g) is Residency.OFFLOADED:
                     fg = self.groups[g]
-                    shard = torch.empty(fg.layout.shard_numel, dtype=fg.dtype)
-                    self.aio.sync_read(shard, self._file(g))
-                    fg.shard = shard.to(fg.device)
+                    raw = aligned_empty(_file_nbytes(fg), torch.uint8)
+                    self.aio.sync_read(raw, self._file(g))
+                    fg.shard = raw[: _shard_nbytes(fg)].view(fg.dtype).to(fg.device)
                     self.state[g] = Residency.RESIDENT
                     loaded.append(g)
             yield
             if write_back:
                 for g in loaded:
-                    self.aio.sync_write(self.groups[g].shard.detach().cpu().contiguous(), self._file(g))
+                    self._write_whole(g, self.groups[g].shard.cpu())
         finally:
             for g in loaded:
                 fg = self.groups[g]
@@ -222,16 +330,21 @@ class OffloadedParams:
         return 0 if self.pool is None else self.pool.nbytes_held()
 
     def close(self) -> None:
+        """Finish this tier's I/O and delete its swap files (the engine stays open)."""
         if self.aio is None:
             return
         try:
-            self._drain_writes()
+            self._settle_staging()
             for buf, handle in self._pending.values():
                 handle.wait()
-            self.aio.close()
         finally:
             self.directory.remove()
 
 
 def _shard_nbytes(fg: FlatParamGroup) -> int:
     return fg.layout.shard_numel * fg.dtype.itemsize
+
+
+def _file_nbytes(fg: FlatParamGroup) -> int:
+    """Bytes of a group's swap file: its shard in whole 4 KiB blocks."""
+    return round_up(_shard_nbytes(fg))

@@ -74,7 +74,8 @@ def _policy(cls: type, section: object, aio: object, extra: tuple[str, ...]):
     # Published configs ask for pinned buffers (written for GPU machines); without an
     # accelerator there is nothing to pin for, and the engine says so once at start-up.
     pin = section.pin_memory and can_pin_memory()
-    return cls(**{name: getattr(section, name) for name in common}, pin_memory=pin, aio=AioOptions.from_config(aio))
+    options = AioOptions.from_config(aio, section.nvme_path if section.device == "nvme" else None)
+    return cls(**{name: getattr(section, name) for name in common}, pin_memory=pin, aio=options)
 
 
 def can_pin_memory() -> bool:

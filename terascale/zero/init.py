@@ -130,7 +130,7 @@ class Init:
             )
         self.remote_device = remote_device
         self._nvme_path = offload.nvme_path if remote_device == "nvme" else None
-        self._aio = AioOptions.from_config(cfg.aio) if cfg is not None else AioOptions()
+        self._aio = AioOptions.from_config(cfg.aio, self._nvme_path) if cfg is not None else AioOptions()
         self._nvme: _NvmeSlices | None = None
         self.enabled = enabled
         self.dtype = dtype or (cfg.compute_dtype if cfg is not None else None)

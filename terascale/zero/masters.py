@@ -10,7 +10,9 @@ parameter shard itself and no memory is spent twice. Frozen parameters and paddi
 in no piece. Pieces may be split further so that no optimizer call handles more than
 ``sub_group_size`` elements at once (the fp32 gradients are materialised per call).
 Consecutive pieces form *runs*, one optimizer call each: a run ends before it would
-exceed ``sub_group_size``, and at the end of a group once it has a million elements.
+exceed ``sub_group_size``, and at the end of a group once it has ``run_split_numel``
+elements (a million; four million when the runs are swapped to NVMe, see
+``[Note: optimizer swapping]``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from terascale.zero.wrap import GroupPlan
 
 
 RUN_SPLIT_NUMEL = 1 << 20
+# Runs swapped to NVMe end at a group end only from this size: see [Note: optimizer swapping].
+NVME_RUN_SPLIT_NUMEL = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -78,11 +82,12 @@ class ShardedMasters:
         device: torch.device | None = None,
         share_storage: bool = True,
         create: bool = True,
+        run_split_numel: int = RUN_SPLIT_NUMEL,
     ) -> None:
         self.groups = list(groups)
         self.pieces = [p for g, (plan, fg) in enumerate(zip(plans, groups)) for p in _pieces(plan, fg, g, sub_group_size)]
         self.sub_group_size = max(1, sub_group_size)
-        self.runs = self._runs()
+        self.runs = self._runs(run_split_numel)
         self.dtype = master_dtype
         self.device = device
         self._share = share_storage
@@ -140,13 +145,13 @@ class ShardedMasters:
         """Piece indices in runs of at most ``sub_group_size`` elements (one optimizer call each)."""
         return self.runs
 
-    def _runs(self) -> list[list[int]]:
-        # A run also ends where a group ends once it holds RUN_SPLIT_NUMEL elements, so the
+    def _runs(self, split_numel: int) -> list[list[int]]:
+        # A run also ends where a group ends once it holds split_numel elements, so the
         # step can start all-gathering a finished group while it updates the next one.
         runs: list[list[int]] = [[]]
         numel = 0
         for i, p in enumerate(self.pieces):
-            at_group_end = runs[-1] and self.pieces[runs[-1][-1]].group != p.group and numel >= RUN_SPLIT_NUMEL
+            at_group_end = runs[-1] and self.pieces[runs[-1][-1]].group != p.group and numel >= split_numel
             if runs[-1] and (numel + (p.hi - p.lo) > self.sub_group_size or at_group_end):
                 runs.append([])
                 numel = 0

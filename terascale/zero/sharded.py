@@ -30,6 +30,7 @@ from terascale.comm.collectives import global_grad_sq_norm
 from terascale.config import Config
 from terascale.config.schema import TORCH_DTYPES
 from terascale.offload import AsyncIO, OptimizerOffload, host_adam, optimizer_offload
+from terascale.offload.aio import IoActivity
 from terascale.offload.grads import GradSwapper
 from terascale.offload.optimizer import OptimizerSwapper
 from terascale.offload.params import OffloadedParams
@@ -40,7 +41,7 @@ from terascale.zero.flat_group import FlatParamGroup, ShardState
 from terascale.zero.gather import owner_of, register_owner, unregister
 from terascale.zero.grads import GradPolicy, ShardedGrads
 from terascale.zero.host import map_large_allocations, return_freed_host_memory
-from terascale.zero.masters import ShardedMasters
+from terascale.zero.masters import NVME_RUN_SPLIT_NUMEL, RUN_SPLIT_NUMEL, ShardedMasters
 from terascale.zero.optimizers import Segments, check_shardable
 from terascale.zero.schedule import ParamSchedule, SchedulePolicy
 from terascale.zero.state_io import sharded_slices
@@ -142,9 +143,19 @@ class ShardedState:
         # with parameter offload, goes to its tier before the next group exists. Masters
         # are made run by run from the shards (read back from NVMe where they went) and
         # go to the optimizer's tier before the next run's exist.
-        if "nvme" in (options.offload_param.device, options.offload_optimizer.device):
+        # One I/O engine serves every NVMe tier of this rank (parameter shards, optimizer
+        # runs, gradient shards), so its priority queue orders all of their requests: the
+        # reads a step is about to need before the write-behind (see [Note: asynchronous
+        # I/O without a compiled op]), and never more than its workers in flight at once.
+        nvme = [t for t in (options.offload_param, options.offload_optimizer) if t.device == "nvme"]
+        self.swap_io = AsyncIO(nvme[0].aio, trace_name="terascale::swap") if nvme else None
+        if nvme:
             map_large_allocations()  # [Note: host memory with an NVMe tier]
-        self.params = OffloadedParams(options.offload_param, dist.get_rank(group)) if options.offload_param.enabled else None
+        self.params = (
+            OffloadedParams(options.offload_param, dist.get_rank(group), self.swap_io)
+            if options.offload_param.enabled
+            else None
+        )
         self.groups: list[FlatParamGroup] = []
         for plan in self.plans:
             fg = FlatParamGroup(
@@ -202,6 +213,7 @@ class ShardedState:
             # Masters that alias a shard would move (or vanish) with it.
             share_storage=tier.device != "nvme" and not self.options.offload_param.enabled,
             create=False,
+            run_split_numel=NVME_RUN_SPLIT_NUMEL if tier.device == "nvme" else RUN_SPLIT_NUMEL,
         )
         total = sum(p.hi - p.lo for p in masters.pieces)
         offloaded, numel = [], 0
@@ -216,22 +228,26 @@ class ShardedState:
                 self._create_masters(masters, run)
             return masters, None
         directory = SwapDirectory(tier.nvme_path, "optimizer", dist.get_rank())
-        aio = AsyncIO(tier.aio, trace_name="terascale::swap")
         swapper = OptimizerSwapper(
-            masters, offloaded, directory, aio, tier.buffer_count, pin_memory=tier.pin_memory,
+            masters, offloaded, directory, self.swap_io, tier.buffer_count, pin_memory=tier.pin_memory,
             create_run=lambda run: self._create_masters(masters, run),
         )  # fmt: skip
         return masters, swapper
 
     def _grad_swapper(self, options: ZeroOptions) -> GradSwapper | None:
-        """Gradient shards on NVMe when the optimizer state is there (stages 2-3)."""
+        """Gradient shards on NVMe when the optimizer state is there (stages 2-3) and they
+        outgrow its buffers (see [Note: gradient swapping])."""
         tier = options.offload_optimizer
         if tier.device != "nvme" or not options.grads.reduce_every_micro_step:
             return None
         numel = [fg.layout.shard_numel if any(k >= 0 for k in plan.opt_group) else 0
                  for plan, fg in zip(self.plans, self.groups)]  # fmt: skip
+        pieces = self.masters.pieces
+        largest_run = max((sum(pieces[i].hi - pieces[i].lo for i in run) for run in self.swapper.runs), default=0)
+        if sum(numel) <= tier.buffer_count * largest_run:
+            return None
         directory = SwapDirectory(tier.nvme_path, "grads", dist.get_rank())
-        return GradSwapper(numel, options.grads.dtype, directory, AsyncIO(tier.aio, trace_name="terascale::swap"), pin_memory=tier.pin_memory)
+        return GradSwapper(numel, options.grads.dtype, directory, self.swap_io, pin_memory=tier.pin_memory)
 
     def _create_masters(self, masters: ShardedMasters, run: list[int], device: torch.device | None = None) -> None:
         """Make run ``run``'s masters from its parameter shards, read back if on NVMe."""
@@ -290,10 +306,17 @@ class ShardedState:
 
     def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
         """Unscale/clip by ``multiplier``, step each sub-group, refresh persistent groups."""
-        if isinstance(optimizer, Lamb):
-            self._step_by_parameter_norms(optimizer, multiplier)
-            return
-        grads_of = self._run_grads()
+        with self._run_grads() as grads_of:
+            if isinstance(optimizer, Lamb):
+                self._step_by_parameter_norms(optimizer, multiplier, grads_of)
+            else:
+                self._step_runs(optimizer, multiplier, grads_of)
+
+    def _step_runs(
+        self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor, grads_of: Callable[[list[int]], list[torch.Tensor]]
+    ) -> None:
+        """Step each run with its gradients ``grads_of(run)``, writing the new values into
+        the parameter shards and re-gathering persistent groups behind it."""
         masters = self.masters.masters
         write = None if self.params is None else self.params.write_piece
         if self.params is not None:
@@ -336,7 +359,9 @@ class ShardedState:
             self.params.finish_step()
         regathers.finish()
 
-    def _step_by_parameter_norms(self, optimizer: Lamb, multiplier: torch.Tensor) -> None:
+    def _step_by_parameter_norms(
+        self, optimizer: Lamb, multiplier: torch.Tensor, grads_of: Callable[[list[int]], list[torch.Tensor]]
+    ) -> None:
         """The two-pass step of ``[Note: optimizers on shards]``: moments and partial norms
         run by run, one all-reduce of the norms, then the updates with whole-parameter
         trust ratios, each group all-gathered as its last run is done."""
@@ -345,7 +370,6 @@ class ShardedState:
         write = None if self.params is None else self.params.write_piece
         if self.params is not None:
             self.params.settle()
-        grads_of = self._run_grads()
         rows = torch.zeros(segments.num_params, 2, dtype=torch.float32, device=self.device)
         runs = self.masters.sub_groups()
         for run in runs:
@@ -382,30 +406,23 @@ class ShardedState:
         """Where each parameter lies in this rank's master pieces (fixed by the layout)."""
         return Segments(self.masters.segments(self._param_number), len(self._param_number), self.group)
 
-    def _run_grads(self) -> Callable[[list[int]], list[torch.Tensor]]:
-        """``run -> its pieces' gradients``; from swap files, read one run ahead."""
+    @contextlib.contextmanager
+    def _run_grads(self) -> Iterator[Callable[[list[int]], list[torch.Tensor]]]:
+        """``run -> its pieces' gradients`` for the duration of a step; from swap files,
+        read one run ahead."""
         swapper = self.grads.swapper
         if swapper is None:
             pieces = self.masters.grad_pieces(self.grads.shards)
-            return lambda run: [pieces[i] for i in run]
+            yield lambda run: [pieces[i] for i in run]
+            return
         index = {run[0]: k for k, run in enumerate(self.masters.runs)}  # runs are disjoint
-        reads: dict[int, tuple] = {}
-
-        def start(k: int) -> None:
-            if k < len(self.masters.runs) and k not in reads:
-                ranges = [(p.group, p.lo, p.hi) for p in (self.masters.pieces[i] for i in self.masters.runs[k])]
-                reads[k] = swapper.read_pieces(ranges)
-
-        def grads_of(run: list[int]) -> list[torch.Tensor]:
-            k = index[run[0]]
-            start(k)
-            start(k + 1)
-            tensors, handles = reads.pop(k)
-            for h in handles:
-                h.wait()
-            return tensors
-
-        return grads_of
+        reader = swapper.reader(
+            [[(p.group, p.lo, p.hi) for p in (self.masters.pieces[i] for i in run)] for run in self.masters.runs]
+        )
+        try:
+            yield lambda run: reader.get(index[run[0]])
+        finally:
+            reader.close()
 
     def _host_output(self, i: int, write: object) -> torch.Tensor | None:
         """Piece ``i``'s slice of its parameter shard, if the host step can write it directly."""
@@ -498,17 +515,25 @@ class ShardedState:
             "nvme": sum(t.nbytes_on_disk() for t in tiers),
         }
 
-    def offload_io(self) -> dict[str, int]:
-        """Bytes read from and written to this rank's swap files since construction."""
-        tiers = (self.swapper, self.params, self.grads.swapper)
-        engines = [t.aio for t in tiers if t is not None and t.aio is not None]
-        return {"read": sum(a.bytes_read for a in engines), "written": sum(a.bytes_written for a in engines)}
+    def offload_io(self) -> dict[str, float]:
+        """This rank's swap traffic since construction: bytes ``read`` and ``written``, and
+        seconds the I/O engine had reads, writes or either in flight (``read_busy_s``,
+        ``write_busy_s``, ``busy_s``)."""
+        aio = self.swap_io
+        if aio is None:
+            return {"read": 0, "written": 0, "read_busy_s": 0.0, "write_busy_s": 0.0, "busy_s": 0.0}
+        busy = aio.activity.busy()
+        return {"read": aio.bytes_read, "written": aio.bytes_written, "read_busy_s": busy["read"],
+                "write_busy_s": busy["write"], "busy_s": busy["any"]}  # fmt: skip
+
+    def offload_activity(self) -> IoActivity | None:
+        """When this rank's swap engine was busy (see :class:`IoActivity`); None without NVMe."""
+        return None if self.swap_io is None else self.swap_io.activity
 
     def wait_breakdown(self) -> dict[str, float]:
         """Seconds this rank has spent blocked, by cause: ``param_gather`` (all-gathers),
         ``grad_reduce`` (reduce-scatters) and ``offload_io`` (swap reads and writes)."""
-        tiers = (self.swapper, self.params, self.grads.swapper)
-        io = sum(t.aio.blocked_s for t in tiers if t is not None and t.aio is not None)
+        io = 0.0 if self.swap_io is None else self.swap_io.blocked_s
         return {"param_gather": sum(g.blocked_s for g in self.groups), "grad_reduce": self.grads.blocked_s,
                 "offload_io": io}  # fmt: skip
 
@@ -566,11 +591,15 @@ class ShardedState:
             )
 
     def remove_hooks(self) -> None:
-        if self.swapper is not None:
-            self.swapper.close()
-        if self.params is not None:
-            self.params.close()
-        self.grads.remove_hooks()
+        try:
+            if self.swapper is not None:
+                self.swapper.close()
+            if self.params is not None:
+                self.params.close()
+            self.grads.remove_hooks()
+        finally:
+            if self.swap_io is not None:
+                self.swap_io.close()
         unregister([p for fg in self.groups for p in fg.params])
         if self.schedule is not None:
             self.schedule.remove_hooks()
