@@ -10,18 +10,19 @@ holds the model. Each job runs under ``torchrun`` and reports, per step, the tim
 bytes its swap files moved (``engine.offload_io()``) and the peak RSS.
 
 The floor of a step is the time the disk needs for those bytes at its raw speed:
-``read bytes / read GB/s + write bytes / write GB/s``, with the raw speed measured by fio
-(O_DIRECT, sequential, 1 MiB blocks, 4 jobs x queue depth 32) on ``--fio-gib`` in the
-same directory right before each job, so the floor and the step see the same disk
-(this machine's disk speed drifts by 2x over minutes). The first step is left out: it
-creates the optimizer state and moves different bytes. The largest-model figure is the
-same measurement on a model whose states exceed host memory.
+``read bytes / read GB/s + write bytes / write GB/s``, with the raw speed the best of fio
+(O_DIRECT, sequential, 1 MiB blocks, 4 jobs x queue depth 32) and terascale's engine at
+its defaults, rewriting and reading ``--fio-gib`` in the same directory right before each
+job (``bench/aio_peers.disk_speed``), so the floor and the step see the same disk (this
+machine's disk speed drifts by 2x over minutes). The first step is left out: it creates
+the optimizer state and moves different bytes. The largest-model figure is the same
+measurement on a model whose states exceed host memory. After the table, a timeline of
+rank 0's steps says how much of the I/O ran under compute (``bench/io_timeline.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -193,11 +194,11 @@ def worker(args: argparse.Namespace) -> None:
 # -- the driver -----------------------------------------------------------------------------
 
 
-def _fio():
-    spec = importlib.util.spec_from_file_location("bench_aio", ROOT / "bench" / "aio.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.fio_rw
+def _disk_speed():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from aio_peers import disk_speed
+
+    return disk_speed
 
 
 def run_job(args: argparse.Namespace, result: Path) -> list[dict]:
@@ -223,21 +224,18 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--steps must be at least 2 (the first step is left out)")
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
-    has_fio = shutil.which("fio") is not None
-    if not has_fio:
-        raise SystemExit("fio is needed for the raw disk speed (apt install fio)")
-    fio_rw = _fio()
+    disk_speed = _disk_speed()
     fio_bytes = int(args.fio_gib * 2**30) // 2**20 * 2**20
     print(f"disk: {shutil.disk_usage(directory).free / 2**30:.1f} GiB free in {directory}", file=sys.stderr)
     repeats = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(args.repeats):
-                probe = directory / "fio.bin"
-                disk = fio_rw(probe, fio_bytes, 4, 32, 1 << 20)
-                probe.unlink(missing_ok=True)
-                print(f"repeat {r}: fio write {disk['write']:.2f} GB/s read {disk['read']:.2f} GB/s",
-                      file=sys.stderr, flush=True)
+                probe = directory / "raw.bin"
+                speeds = disk_speed(probe, fio_bytes, "overwrite")  # swap files are rewritten every step
+                disk = speeds["best"]
+                print(f"repeat {r}: raw disk (best of {', '.join(k for k in speeds if k != 'best')}) write "
+                      f"{disk['write']:.2f} GB/s read {disk['read']:.2f} GB/s", file=sys.stderr, flush=True)
                 ranks = run_job(args, Path(tmp) / f"job{r}.json")
                 repeats.append({"disk": disk, "ranks": ranks})
     finally:
@@ -257,7 +255,7 @@ def report(args: argparse.Namespace, repeats: list[dict]) -> None:
           f"{args.threads} thread(s), bf16, ZeRO-3, params and optimizer on NVMe; "
           f"{args.repeats} repeat(s) x {args.steps - 1} timed steps\n")
     print("| repeat | step s (median) | fwd+bwd s | optimizer s | read GB/step | written GB/step | "
-          "fio read / write GB/s | floor s | step / floor | peak RSS GiB (growth) | build s |")
+          "raw read / write GB/s | floor s | step / floor | peak RSS GiB (growth) | build s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     ratios = []
     for r, rep in enumerate(repeats):

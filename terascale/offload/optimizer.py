@@ -112,7 +112,8 @@ class OptimizerSwapper:
         self._nbytes: list[int] = []
         # Masters (4 bytes) plus Adam's two moments (8): what the files will grow to.
         numel = sum(masters.pieces[i].hi - masters.pieces[i].lo for run in self.runs for i in run)
-        directory.require_free(3 * numel * masters.dtype.itemsize, "offload_optimizer (masters and Adam state)")
+        self.nbytes_expected = 3 * numel * masters.dtype.itemsize
+        directory.require_free(self.nbytes_expected, "offload_optimizer (masters and Adam state)")
         for k, run in enumerate(self.runs):
             (create_run or masters.create_run)(run)
             segments, nbytes = _layout([(i, MASTER_KEY, masters.masters[i].data) for i in run])

@@ -33,6 +33,9 @@ def return_freed_host_memory() -> None:
 
 _M_MMAP_THRESHOLD = -3  # mallopt parameter (glibc malloc.h)
 _NVME_MMAP_THRESHOLD = 1 << 20
+_HEAP_MMAP_THRESHOLD = 32 << 20  # glibc's own ceiling for its dynamic threshold
+# A rank computing on the CPU keeps the fixed threshold only with this much on NVMe.
+BOUNDED_HOST_MIN_NVME_BYTES = 512 << 20
 
 
 def map_large_allocations() -> None:
@@ -45,16 +48,30 @@ def map_large_allocations() -> None:
     NVMe-offloaded step allocates and frees gigabytes of transient tensors of a few MiB
     (gradients, widened chunks, gathered groups, a first step's fresh optimizer state), so
     RSS ratchets up to a multiple of the buffers the tiers really hold (measured: +700 MiB
-    for the 42M-parameter model of tests/test_offload_memory.py, whose buffers are 20 MiB).
-    A fixed threshold keeps RSS at what is live, for a page fault per fresh page of each
-    mapped block. The threshold is 1 MiB, not lower: model-state transients are larger
-    (that model's are 2 MiB; its growth stays at 31 MiB, as with 64 KiB), while the
-    many smaller activation tensors of a forward and backward keep coming from the heap
-    without faults. On the 16.8M-parameter GPT of bench/step_time.py, computing on this
-    CPU, a 64 KiB threshold made the step 35% slower, once its I/O was hidden, and 1 MiB
-    about 15% (4 MiB let the memory test's RSS ratchet by 560 MiB). Called when a tier on
-    NVMe is created; without an NVMe tier the allocator is left as it is. (On a GPU the
-    compute's tensors are the caching allocator's, and this touches only host-side ones.)
+    for the 42M-parameter model of tests/test_offload_memory.py, whose buffers are 20 MiB,
+    about the size of its states). A fixed threshold keeps RSS at what is live, for a page
+    fault per fresh page of each mapped block. The threshold is 1 MiB, not lower: model-state
+    transients are larger (that model's are 2 MiB; its growth stays at 31 MiB, as with 64
+    KiB), while the many smaller activation tensors keep coming from the heap (4 MiB let
+    that model's RSS ratchet by 560 MiB).
+
+    Where the model computes on the CPU, its activations and gradients come from the same
+    allocator, and the faults cost the compute: on the 16.8M-parameter GPT of
+    bench/step_time.py a 64 KiB threshold made the step 35% slower and 1 MiB about 20%,
+    once its I/O was hidden. There a ratchet of about the states' size is the cheaper
+    price while the states are small, so construction (zero.Init, the engine) maps large
+    blocks, and an engine whose rank holds under ``BOUNDED_HOST_MIN_NVME_BYTES`` on NVMe
+    then gives the heap its large blocks back (:func:`reuse_large_allocations`). On an
+    accelerator the compute's tensors are its caching allocator's, and the threshold only
+    touches host-side ones: it stays. Without an NVMe tier the allocator is left as it is.
+    The setting is process-wide: the engine built last decides.
     """
     if _LIBC is not None:
         _LIBC.mallopt(_M_MMAP_THRESHOLD, _NVME_MMAP_THRESHOLD)
+
+
+def reuse_large_allocations() -> None:
+    """Let the heap serve (and keep for reuse) blocks up to 32 MiB again, as glibc does
+    after warming up (see [Note: host memory with an NVMe tier])."""
+    if _LIBC is not None:
+        _LIBC.mallopt(_M_MMAP_THRESHOLD, _HEAP_MMAP_THRESHOLD)

@@ -40,7 +40,12 @@ from terascale.optim.lamb import Lamb
 from terascale.zero.flat_group import FlatParamGroup, ShardState
 from terascale.zero.gather import owner_of, register_owner, unregister
 from terascale.zero.grads import GradPolicy, ShardedGrads
-from terascale.zero.host import map_large_allocations, return_freed_host_memory
+from terascale.zero.host import (
+    BOUNDED_HOST_MIN_NVME_BYTES,
+    map_large_allocations,
+    return_freed_host_memory,
+    reuse_large_allocations,
+)
 from terascale.zero.masters import NVME_RUN_SPLIT_NUMEL, RUN_SPLIT_NUMEL, ShardedMasters
 from terascale.zero.optimizers import Segments, check_shardable
 from terascale.zero.schedule import ParamSchedule, SchedulePolicy
@@ -198,6 +203,18 @@ class ShardedState:
             options.grads,
             on_group_done=None if self.schedule is None else self.schedule.on_grads_done,
             swapper=self._grad_swapper(options),
+        )
+        if nvme and device.type == "cpu" and self._nvme_states_nbytes() < BOUNDED_HOST_MIN_NVME_BYTES:
+            reuse_large_allocations()  # [Note: host memory with an NVMe tier]
+
+    def _nvme_states_nbytes(self) -> int:
+        """The bytes this rank's model states take on NVMe once training runs (the
+        optimizer files grow to masters and Adam moments at the first step)."""
+        grads = self.grads.swapper
+        return (
+            (0 if self.swapper is None else self.swapper.nbytes_expected)
+            + (0 if self.params is None else self.params.nbytes_on_disk())
+            + (0 if grads is None else sum(grads.shard_numel) * grads.dtype.itemsize)
         )
 
     def _place_masters(self, tier: OptimizerOffload) -> tuple[ShardedMasters, OptimizerSwapper | None]:
