@@ -27,7 +27,7 @@ def test_offloaded_optimizer_matches_the_reference(tmp_path):
     assert not any((tmp_path / "terascale_swap").rglob("*.swp"))  # destroy() removed them
 
 
-def _swap_rank(path: str) -> dict:
+def _swap_rank(path: str, layers: int = 6) -> dict:
     import torch
     from torch import nn
 
@@ -36,7 +36,7 @@ def _swap_rank(path: str) -> dict:
     torch.manual_seed(0)
     # Six layers: the gradient shards (6 x 2048 per rank) outgrow the two 4096-element
     # optimizer buffers, so they go to disk too ([Note: gradient swapping]).
-    model = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(6)))
+    model = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(layers)))
     config = {
         "train_batch_size": 8,
         "train_micro_batch_size_per_gpu": 4,
@@ -56,7 +56,8 @@ def _swap_rank(path: str) -> dict:
         engine.step()
     mem = engine.memory_breakdown()
     files = sorted(p.name for p in engine._state.swapper.directory.path.glob("*.swp"))
-    grad_files = sorted(p.name for p in engine._state.grads.swapper.directory.path.glob("*.swp"))
+    grads = engine._state.grads.swapper
+    grad_files = [] if grads is None else sorted(p.name for p in grads.directory.path.glob("*.swp"))
     engine.destroy()
     return {"mem": mem, "files": files, "grad_files": grad_files, "read_in_backward": read_in_backward}
 
@@ -82,6 +83,16 @@ def test_between_steps_the_optimizer_state_is_only_on_disk(tmp_path):
         assert got["read_in_backward"][0] == 2 * 4 * 4096
         assert got["read_in_backward"][1:] == [2 * 12 * 4096] * 2
     assert not any((tmp_path / "terascale_swap").rglob("*.swp"))
+
+
+def test_gradients_that_fit_the_optimizer_buffers_stay_in_memory(tmp_path):
+    # Four layers: 4 x 2048 gradient elements per rank fit the two 4096-element optimizer
+    # buffers, so they stay in host memory and nothing reads them back in the step.
+    psi = 4 * 64 * 64
+    for got in run_ranks(_swap_rank, 2, str(tmp_path), 4):
+        assert got["grad_files"] == []
+        assert got["mem"]["grads"] == 2 * psi // 2  # this rank's bf16 gradient shards
+        assert got["mem"]["nvme"] == 12 * psi // 2  # only masters and moments on disk
 
 
 def test_offload_settings_are_checked():
