@@ -169,12 +169,13 @@ def _nvme_offload(args: argparse.Namespace, stage: int) -> dict:
     zero = {"offload_optimizer": {"device": "nvme", "nvme_path": path}}
     if stage == 3:
         # DeepSpeed swaps each parameter through a buffer of its own and prefetches up to
-        # stage3_prefetch_bucket_size elements (the whole of this model): with its default 5
-        # buffers it stops ("Not enough buffers 0 for swapping 1"). One buffer per parameter,
-        # each as large as the largest parameter, is what it needs to run.
+        # stage3_prefetch_bucket_size elements (5e7: the whole of the default model): with
+        # its default 5 buffers it stops ("Not enough buffers 0 for swapping 1"). A buffer
+        # per parameter, up to 64 (four 1024-wide blocks and the embedding), each as large
+        # as the largest parameter, is what it needs to run. terascale gets the same keys.
         params = list(_model(args).parameters())
         zero["offload_param"] = {"device": "nvme", "nvme_path": path, "max_in_cpu": 0,
-                                 "buffer_count": len(params), "buffer_size": max(p.numel() for p in params)}
+                                 "buffer_count": min(len(params), 64), "buffer_size": max(p.numel() for p in params)}
     return zero
 
 

@@ -95,6 +95,37 @@ def test_gradients_that_fit_the_optimizer_buffers_stay_in_memory(tmp_path):
         assert got["mem"]["nvme"] == 12 * psi // 2  # only masters and moments on disk
 
 
+def _buffer_size_rank(path: str, buffer_size: int) -> str:
+    import torch
+    from torch import nn
+
+    import terascale
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))  # one group of 8320 elements
+    config = {
+        "train_batch_size": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                              **_params_nvme(path, buffer_size=buffer_size)},
+    }  # fmt: skip
+    try:
+        engine, *_ = terascale.initialize(model=model, config=config)
+    except ValueError as exc:
+        return str(exc)
+    engine.backward(engine(torch.randn(2, 64)).square().mean())
+    engine.step()
+    engine.destroy()
+    return "trained"
+
+
+def test_buffer_size_bounds_each_parameter_as_in_deepspeed(tmp_path):
+    # DeepSpeed needs the largest parameter (4096 elements) to fit a buffer; a group's shard
+    # may be larger (terascale's buffers hold whole shards).
+    assert run_ranks(_buffer_size_rank, 1, str(tmp_path), 4096) == ["trained"]
+    (msg,) = run_ranks(_buffer_size_rank, 1, str(tmp_path), 4000)
+    assert "buffer_size is 4000 elements but parameter '0.weight' has 4096" in msg, msg
+
+
 def test_offload_settings_are_checked():
     from terascale.config import Config, ConfigError
 

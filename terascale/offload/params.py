@@ -128,10 +128,14 @@ class OffloadedParams:
                 fg.shard = fg.shard.to("cpu").pin_memory() if self._pin else fg.shard.to("cpu")
             return
         numel = fg.layout.shard_numel
-        if numel > self.policy.buffer_size:
+        # DeepSpeed swaps each parameter through a buffer_size buffer and needs the largest
+        # parameter to fit one; a config it runs with runs here (the buffers here hold a
+        # group's shard, whatever buffer_size says).
+        largest = max(fg.layout.slots, key=lambda slot: slot.numel)
+        if largest.numel > self.policy.buffer_size:
             raise ValueError(
-                f"offload_param.buffer_size is {self.policy.buffer_size} elements but parameter group "
-                f"{g}'s shard has {numel}; raise buffer_size to at least {numel}"
+                f"offload_param.buffer_size is {self.policy.buffer_size} elements but parameter "
+                f"'{largest.name}' has {largest.numel}; raise buffer_size to at least {largest.numel}"
             )
         if self._kept_numel + numel <= self.policy.max_in_cpu:
             self._kept_numel += numel

@@ -46,9 +46,10 @@ class OptimizerOffload(_Tier):
 class ParamOffload(_Tier):
     """``zero_optimization.offload_param``: where stage-3 parameter shards live between uses.
 
-    ``buffer_count`` host buffers, each as large as the largest shard (which must not
-    exceed ``buffer_size`` elements), carry NVMe reads; the first ``max_in_cpu`` elements of
-    shards stay in host memory.
+    ``buffer_count`` host buffers, each as large as the largest group shard, carry NVMe
+    reads and the step's writes; no parameter may exceed ``buffer_size`` elements (as in
+    DeepSpeed, whose buffers hold one parameter each); the first ``max_in_cpu`` elements
+    of shards stay in host memory.
     """
 
     buffer_count: int = 5
