@@ -1,4 +1,4 @@
-"""terascale's async I/O engine against DeepSpeed's aio op, the kernel's AIO queue and fio.
+"""terascale's async I/O engine (both backends) against DeepSpeed's aio op and fio.
 
     python bench/aio.py --peers-python /tmp/peers/bin/python                 # defaults vs defaults
     python bench/aio.py --sweep --peers-python /tmp/peers/bin/python         # the curves
@@ -20,7 +20,8 @@ probes (see [Note: the aio probe]). Ratios are to DeepSpeed at its defaults and 
 best figure any system reached in the run.
 
 ``--sweep`` measures the curves: block size (128 KiB-16 MiB) x pieces in flight (1-64) for
-terascale, DeepSpeed, fio and the kernel's AIO queue driven from Python; threads (1-8) at
+terascale on worker threads (``terascale``, its default backend) and on the kernel's AIO
+queue (``terascale-kernel``, ``aio.backend: "kernel"``), DeepSpeed and fio; threads (1-8) at
 1 MiB x 8; aligned vs unaligned buffers; and terascale's buffers on huge vs 4 KiB pages.
 """
 
@@ -42,9 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from aio_peers import deepspeed_rw, fio_rw, kernel_aio_rw  # noqa: E402
+from aio_peers import deepspeed_rw, engine_rw, fio_rw  # noqa: E402
 
-from terascale.offload import AioOptions, AsyncIO  # noqa: E402
+from terascale.offload import AioOptions  # noqa: E402
 from terascale.offload.host_buffers import ALIGNMENT, aligned_empty  # noqa: E402
 from terascale.offload.probe import probe_options  # noqa: E402
 
@@ -76,27 +77,9 @@ class Buffers:
         return self._made[kind]
 
 
-def terascale_rw(path: Path, buf: torch.Tensor, options: AioOptions, state: str) -> dict[str, float]:
-    """The engine's write (of a new file, or rewrite) and read of ``buf``, in GB/s."""
-    path.unlink(missing_ok=True)
-    with AsyncIO(options) as aio:
-        aio.sync_write(buf[:ALIGNMENT], path.with_suffix(".warm"))  # start the workers
-        if state == "overwrite":
-            aio.sync_write(buf, path)
-        start = time.perf_counter()
-        aio.sync_write(buf, path)  # O_DIRECT: on the device when it returns
-        write = buf.numel() / (time.perf_counter() - start) / 1e9
-        start = time.perf_counter()
-        aio.sync_read(buf, path)
-        read = buf.numel() / (time.perf_counter() - start) / 1e9
-    path.with_suffix(".warm").unlink(missing_ok=True)
-    path.unlink(missing_ok=True)
-    return {"write": write, "read": read}
-
-
-def _options(point: dict) -> AioOptions:
+def _options(point: dict, backend: str) -> AioOptions:
     """A point's settings as terascale's options: ``qd`` pieces in flight per thread."""
-    return AioOptions(block_size=point["block"], queue_depth=point["qd"], thread_count=point["threads"])
+    return AioOptions(block_size=point["block"], queue_depth=point["qd"], thread_count=point["threads"], backend=backend)
 
 
 def run_points(system: str, points: list[dict], path: Path, buffers: Buffers, peers: str | None) -> list[dict]:
@@ -106,12 +89,11 @@ def run_points(system: str, points: list[dict], path: Path, buffers: Buffers, pe
         return deepspeed_rw(peers, path, n, points)
     out = []
     for p in points:
-        if system == "terascale":
-            out.append(terascale_rw(path, buffers.get(p.get("pages", "huge")), _options(p), p["state"]))
+        if system.startswith("terascale"):
+            backend = "kernel" if system == "terascale-kernel" else "threads"
+            out.append(engine_rw(path, n, p["state"], _options(p, backend), buffers.get(p.get("pages", "huge"))))
         elif system == "fio":
             out.append(fio_rw(path, n, p["block"], p["qd"], p["threads"], p["state"]))
-        elif system == "kernel-aio":
-            out.append(kernel_aio_rw(path, buffers.get(p.get("pages", "huge")), p["block"], p["qd"], p["state"]))
         else:
             raise AssertionError(system)
         path.unlink(missing_ok=True)
@@ -155,8 +137,9 @@ def comparison(args: argparse.Namespace, buffers: Buffers) -> dict:
     tuned = _tuned(args.tuned_from) if args.tuned_from else {}
     systems: dict[str, tuple[str, dict]] = {
         "terascale (defaults)": ("terascale", ts),
-        "terascale (aio: auto)": ("terascale", {"block": auto["block_size"], "qd": auto["queue_depth"],
-                                                "threads": auto["thread_count"]}),  # fmt: skip
+        "terascale, kernel AIO backend": ("terascale-kernel", ts),
+        "terascale (aio: auto)": ("terascale-kernel" if auto["backend"] == "kernel" else "terascale",
+                                  {"block": auto["block_size"], "qd": auto["queue_depth"], "threads": auto["thread_count"]}),
         "deepspeed-aio (defaults)": ("deepspeed", DS_DEFAULT),
         "fio (4 jobs x qd 32)": ("fio", FIO_DEFAULT),
     }
@@ -179,8 +162,8 @@ def comparison(args: argparse.Namespace, buffers: Buffers) -> dict:
     best = {k: max(r[k] for r in rows) for k in ("fresh_write", "overwrite_write", "read")}
     print(f"\n{buffers.nbytes / 2**30:.2f} GiB file, O_DIRECT; {args.repeats} interleaved repeats, medians (GB/s); "
           f"terascale defaults {ts['block'] // KiB} KiB x {ts['qd']} in flight; aio: auto picked "
-          f"{auto['block_size'] // KiB} KiB x {auto['queue_depth']} x {auto['thread_count']} thread(s) "
-          f"(probe: {probe_s:.1f} s, or cached)\n")
+          f"{auto['block_size'] // KiB} KiB x {auto['queue_depth']} x {auto['thread_count']} thread(s), "
+          f"{auto['backend']} (probe: {probe_s:.1f} s, or cached)\n")
     head = "| system | write, new file | write, rewrite | read |"
     sep = "| --- | --- | --- | --- |"
     if ds:
@@ -213,7 +196,7 @@ def _tuned(sweep_json: str) -> dict[str, dict]:
 
 
 def sweep(args: argparse.Namespace, buffers: Buffers) -> dict:
-    systems = ["terascale", "fio", "kernel-aio"] + (["deepspeed"] if args.peers_python else [])
+    systems = ["terascale", "terascale-kernel", "fio"] + (["deepspeed"] if args.peers_python else [])
     if not shutil.which("fio"):
         systems.remove("fio")
     grid = [{"block": b, "qd": q, "threads": 1, "state": "overwrite"} for b in SWEEP_BLOCKS for q in SWEEP_DEPTHS
@@ -222,8 +205,7 @@ def sweep(args: argparse.Namespace, buffers: Buffers) -> dict:
     plan: dict[str, list[dict]] = {}
     for s in systems:
         plan[f"{s}:grid"] = grid
-        if s != "kernel-aio":
-            plan[f"{s}:threads"] = threads
+        plan[f"{s}:threads"] = threads
     for s in ("terascale", "deepspeed"):  # aligned vs not, at DeepSpeed's default setting
         if s in systems:
             plan[f"{s}:alignment"] = [{**DS_DEFAULT, "state": "overwrite", "aligned": a, "pages": "huge" if a else "unaligned"}
@@ -244,8 +226,8 @@ def _print_sweep(out: dict, nbytes: int, repeats: int) -> None:
     print(f"\n{nbytes / 2**30:.2f} GiB file, O_DIRECT, rewrite then read; {repeats} interleaved repeats, "
           "medians in GB/s as write / read\n")
     systems = list(out["grid"])
-    print("Block size x pieces in flight (one thread; terascale: queue_depth workers; DeepSpeed: one "
-          "thread with that queue depth; fio: one job with that iodepth):\n")
+    print("Block size x pieces in flight (terascale: that many worker threads; terascale-kernel and "
+          "DeepSpeed: one thread with that queue depth in the kernel's AIO queue; fio: one job with that iodepth):\n")
     print("| block | in flight | " + " | ".join(systems) + " |")
     print("| --- | --- | " + " | ".join("---" for _ in systems) + " |")
     for i, p in enumerate(out["grid"][systems[0]]):
@@ -254,10 +236,11 @@ def _print_sweep(out: dict, nbytes: int, repeats: int) -> None:
     for s in systems:
         best = max(out["grid"][s], key=lambda p: p["score"])
         print(f"\nbest {s}: {_size(best['block'])} x {best['qd']}: write {best['write']:.2f}, read {best['read']:.2f}")
-    _print_part(out["threads"], "Threads at 1 MiB x 8 (terascale: thread_count x 8 workers; DeepSpeed: "
-                "intra_op_parallelism; fio: numjobs, each iodepth 8)", lambda p: f"{p['threads']} thread(s)")
+    _print_part(out["threads"], "Threads at 1 MiB x 8 (terascale: thread_count x 8 workers; terascale-kernel, "
+                "DeepSpeed: thread_count / intra_op_parallelism threads of queue depth 8; fio: numjobs, each iodepth 8)",
+                lambda p: f"{p['threads']} thread(s)")
     _print_part(out["alignment"], "Aligned vs unaligned buffer at 1 MiB x 8 (terascale falls back to buffered "
-                "I/O; DeepSpeed copies through a page-locked bounce buffer)",
+                "I/O, i.e. the page cache; DeepSpeed copies through a page-locked bounce buffer)",
                 lambda p: "aligned" if p.get("aligned", True) else "unaligned")
     _print_part(out["pages"], "terascale's buffer on 2 MiB huge pages vs 4 KiB pages",
                 lambda p: f"{_size(p['block'])} x 8, {p['pages']} pages")

@@ -3,9 +3,6 @@
 :func:`disk_speed`, the raw disk's figure the other benches divide by:
 
 * ``fio_rw``: the raw device through fio (libaio, O_DIRECT), ``jobs`` x ``iodepth``;
-* ``kernel_aio_rw``: the kernel's AIO queue (``io_submit``/``io_getevents``) driven from
-  Python through ctypes system calls, one submitting thread: the candidate the engine's
-  threads were measured against (no library; ``libaio`` only wraps these calls);
 * ``DEEPSPEED_WORKER``: DeepSpeed's ``async_io`` op (libaio in C++ threads), run by
   ``deepspeed_rw`` in the peers' Python with a list of points, one JSON line per point.
 
@@ -17,8 +14,6 @@ left out; see RESULTS.md.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
 import os
 import shutil
@@ -28,9 +23,6 @@ import textwrap
 from pathlib import Path
 
 import torch
-
-_SYS_IO_SETUP, _SYS_IO_DESTROY, _SYS_IO_GETEVENTS, _SYS_IO_SUBMIT = 206, 207, 208, 209  # x86_64
-
 
 def fio_rw(path: Path, nbytes: int, block: int, iodepth: int, jobs: int = 1, state: str = "fresh") -> dict[str, float]:
     """fio's sequential O_DIRECT write then read of ``nbytes`` (``jobs`` cover equal parts).
@@ -52,14 +44,16 @@ def fio_rw(path: Path, nbytes: int, block: int, iodepth: int, jobs: int = 1, sta
     return out
 
 
-def engine_rw(path: Path, nbytes: int, state: str = "fresh", options: object = None) -> dict[str, float]:
-    """terascale's engine (its defaults unless ``options``) writing ``nbytes`` from one
-    huge-page buffer and reading them back; ``state`` as for :func:`fio_rw`."""
+def engine_rw(path: Path, nbytes: int, state: str = "fresh", options: object = None,
+              buf: torch.Tensor | None = None) -> dict[str, float]:
+    """terascale's engine (its defaults unless ``options``) writing ``nbytes`` from ``buf``
+    (default: a fresh huge-page buffer) and reading them back; ``state`` as for
+    :func:`fio_rw`."""
     import time
 
     from terascale.offload import AioOptions, AsyncIO, aligned_empty
 
-    buf = aligned_empty(nbytes, torch.uint8).fill_(7)
+    buf = aligned_empty(nbytes, torch.uint8).fill_(7) if buf is None else buf[:nbytes]
     path.unlink(missing_ok=True)
     with AsyncIO(options or AioOptions()) as aio:
         aio.sync_write(buf[:4096], path.with_suffix(".warm"))  # start the workers
@@ -93,65 +87,6 @@ def disk_speed(path: Path, nbytes: int, state: str) -> dict[str, dict[str, float
         path.unlink(missing_ok=True)
     out["best"] = {k: max(v[k] for v in out.values()) for k in ("write", "read")}
     return out
-
-
-class _Iocb(ctypes.Structure):  # struct iocb (linux/aio_abi.h, little-endian)
-    _fields_ = [("data", ctypes.c_uint64), ("key", ctypes.c_uint32), ("rw_flags", ctypes.c_int32),
-                ("opcode", ctypes.c_uint16), ("reqprio", ctypes.c_int16), ("fildes", ctypes.c_uint32),
-                ("buf", ctypes.c_uint64), ("nbytes", ctypes.c_uint64), ("offset", ctypes.c_int64),
-                ("reserved2", ctypes.c_uint64), ("flags", ctypes.c_uint32), ("resfd", ctypes.c_uint32)]  # fmt: skip
-
-
-class _Event(ctypes.Structure):  # struct io_event
-    _fields_ = [("data", ctypes.c_uint64), ("obj", ctypes.c_uint64), ("res", ctypes.c_int64), ("res2", ctypes.c_int64)]
-
-
-def kernel_aio_rw(path: Path, buf: torch.Tensor, block: int, iodepth: int, state: str = "fresh") -> dict[str, float]:
-    """Write ``buf`` to ``path`` (new, or written before with ``state`` "overwrite") and read
-    it back through the kernel's AIO queue, ``iodepth`` ``block``-byte requests in flight
-    (O_DIRECT; ``buf`` must be 4 KiB-aligned)."""
-    import time
-
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    out = {}
-    path.unlink(missing_ok=True)
-    for op in ("write", "write", "read") if state == "overwrite" else ("write", "read"):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
-        ctx = ctypes.c_ulong(0)
-        if libc.syscall(_SYS_IO_SETUP, ctypes.c_uint(iodepth), ctypes.byref(ctx)) != 0:
-            raise RuntimeError(f"io_setup failed: errno {ctypes.get_errno()}")
-        try:
-            start = time.perf_counter()
-            _kernel_aio(libc, ctx, fd, buf.data_ptr(), buf.numel(), block, iodepth, 1 if op == "write" else 0)
-            out[op] = buf.numel() / (time.perf_counter() - start) / 1e9
-        finally:
-            libc.syscall(_SYS_IO_DESTROY, ctx)
-            os.close(fd)
-    return out
-
-
-def _kernel_aio(libc, ctx, fd: int, base: int, nbytes: int, block: int, depth: int, opcode: int) -> None:
-    iocbs, events = (_Iocb * depth)(), (_Event * depth)()
-    free, offsets, nxt, in_flight = list(range(depth)), list(range(0, nbytes, block)), 0, 0
-    while nxt < len(offsets) or in_flight:
-        batch = []
-        while free and nxt < len(offsets):
-            slot, at = free.pop(), offsets[nxt]
-            nxt += 1
-            iocbs[slot] = _Iocb(data=slot, opcode=opcode, fildes=fd, buf=base + at,
-                                nbytes=min(block, nbytes - at), offset=at)  # fmt: skip
-            batch.append(slot)
-        if batch:
-            ptrs = (ctypes.POINTER(_Iocb) * len(batch))(*[ctypes.pointer(iocbs[s]) for s in batch])
-            if libc.syscall(_SYS_IO_SUBMIT, ctx, ctypes.c_long(len(batch)), ptrs) != len(batch):
-                raise RuntimeError(f"io_submit failed: errno {ctypes.get_errno()}")
-            in_flight += len(batch)
-        done = libc.syscall(_SYS_IO_GETEVENTS, ctx, ctypes.c_long(1), ctypes.c_long(depth), events, None)
-        for i in range(done):
-            if events[i].res != iocbs[events[i].data].nbytes:
-                raise RuntimeError(f"kernel AIO request returned {events[i].res}")
-            free.append(events[i].data)
-        in_flight -= done
 
 
 # Runs in the peers' Python: argv = file, bytes, JSON list of points; one JSON line each.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from distributed import run_ranks
+from terascale.offload.kernel_aio import open_queue
 from parity import Case, check
 
 
@@ -174,6 +175,9 @@ def test_offloaded_parameters_match_the_reference(tmp_path):
         Case(stage=3, frozen=True, gas=2, zero={**_params_nvme(tmp_path), **_nvme(tmp_path), "sub_group_size": 300}),
         Case(stage=3, reuse=True, zero={**_params_nvme(tmp_path, max_in_cpu=200), "stage3_max_reuse_distance": 0}),
     ]  # fmt: skip
+    if open_queue(1) is not None:  # the same through the kernel's AIO queue
+        cases.append(Case(stage=3, gas=2, extra={"aio": {"backend": "kernel", "block_size": 4096}},
+                          zero={**_params_nvme(tmp_path), **_nvme(tmp_path, buffer_count=2), "sub_group_size": 300}))  # fmt: skip
     check(2, cases, zero_unused_grads=True)
     assert not any((tmp_path / "terascale_swap").rglob("*.swp"))
 

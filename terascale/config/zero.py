@@ -164,17 +164,17 @@ class ZeroConfig(Section):
 
 
 PositiveOrAuto = Annotated[int, Field(gt=0)] | Literal["auto"]
-_AIO_PROBED = ("block_size", "queue_depth", "thread_count")
+_AIO_PROBED = ("block_size", "queue_depth", "thread_count", "backend")
 
 
 class AioConfig(Section):
     """``aio``: the asynchronous NVMe I/O engine (used only with NVMe offload).
 
     The defaults are terascale's, measured (``bench/aio.py``): 4 MiB pieces, 8 in flight;
-    DeepSpeed's are 1 MiB and 8. ``"auto"`` for any of ``block_size``, ``queue_depth`` and
-    ``thread_count`` (or ``"aio": "auto"`` for all three) measures them on the NVMe path at
-    start-up ([Note: the aio probe]); ``"auto"`` here is data for the engine, not a value
-    an integration fills.
+    DeepSpeed's are 1 MiB and 8. ``"auto"`` for any of ``block_size``, ``queue_depth``,
+    ``thread_count`` and ``backend`` (or ``"aio": "auto"`` for all four) measures them on
+    the NVMe path at start-up ([Note: the aio probe]); ``"auto"`` here is data for the
+    engine, not a value an integration fills.
     """
 
     block_size: PositiveOrAuto = 4 << 20
@@ -183,6 +183,9 @@ class AioConfig(Section):
     single_submit: bool = False
     overlap_events: bool = True
     use_gds: bool = False
+    # terascale's own: "threads" (thread_count x queue_depth threads in preadv/pwritev) or
+    # "kernel" (the kernel's AIO queue, as DeepSpeed's op uses) ([Note: the kernel AIO backend]).
+    backend: Literal["threads", "kernel", "auto"] = "threads"
 
     @model_validator(mode="before")
     @classmethod
@@ -193,6 +196,6 @@ class AioConfig(Section):
             return data
         out = dict(data)
         for key, value in data.items():  # "1e6" is a number here too, as in other sections
-            if field_for_key(cls, key) in _AIO_PROBED and isinstance(value, str) and value != "auto":
+            if field_for_key(cls, key) in _AIO_PROBED[:3] and isinstance(value, str) and value != "auto":
                 out[key] = parse_number(value, integer=True)
         return out

@@ -19,9 +19,12 @@ buffer address, file offset and length to be multiples of the device's block siz
 ordinary descriptor of the same file instead (Linux keeps the two coherent), so any
 tensor can be read or written, aligned ones fast.
 
-Tried and measured against this design (``bench/aio.py --sweep``, RESULTS.md): the
-kernel's AIO queue (``io_submit``/``io_getevents`` through ctypes) and io_uring gave no
-more bandwidth than threads; the buffers' pages did (see [Note: huge-page I/O buffers]).
+Measured against this design (``bench/aio.py --sweep``, RESULTS.md): the kernel's AIO
+queue (``io_submit``/``io_getevents`` through ctypes, one submitting thread) gave no more
+bandwidth than threads at any block size or depth; io_uring's binding that installs as a
+wheel (``liburing``) takes only ``bytes``/``bytearray`` objects, so it cannot move a
+tensor's (or any aligned) memory. What did matter was the buffers' pages (see [Note:
+huge-page I/O buffers]) and the block size.
 
 A handle's ``wait()`` raises :class:`AioError` naming the file, offset and length of the
 first failed piece (missing or read-only directory, no space left, short read); a write
@@ -30,6 +33,7 @@ whose handle raised must be treated as not written.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import heapq
 import itertools
@@ -39,12 +43,15 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from terascale.comm.ops import named_range
 from terascale.offload.host_buffers import ALIGNMENT, aligned_empty
+from terascale.offload.kernel_aio import KernelQueue, open_queue
 
 __all__ = ["ALIGNMENT", "AioError", "AioOptions", "AsyncIO", "IoActivity", "IoHandle", "aligned_empty"]
 
@@ -58,6 +65,7 @@ DEFAULT_THREAD_COUNT = 1
 
 # Queue priorities: lower runs first.
 _WAITED, _READ, _WRITE = 0, 1, 2
+_NO_RANGE = contextlib.nullcontext()
 
 
 class AioError(OSError):
@@ -81,12 +89,18 @@ class AioOptions:
     thread_count: int = DEFAULT_THREAD_COUNT
     single_submit: bool = False
     overlap_events: bool = True
+    # "threads": thread_count x queue_depth threads in preadv/pwritev; "kernel":
+    # thread_count threads each keeping queue_depth pieces in the kernel's AIO queue
+    # ([Note: the kernel AIO backend]).
+    backend: Literal["threads", "kernel"] = "threads"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % ALIGNMENT:
             raise ValueError(f"aio.block_size must be a positive multiple of {ALIGNMENT}, got {self.block_size}")
         if self.queue_depth <= 0 or self.thread_count <= 0:
             raise ValueError("aio.queue_depth and aio.thread_count must be positive")
+        if self.backend not in ("threads", "kernel"):
+            raise ValueError(f"aio backend must be 'threads' or 'kernel', got {self.backend!r}")
 
     @property
     def workers(self) -> int:
@@ -101,7 +115,7 @@ class AioOptions:
         by :func:`terascale.offload.probe.probe_options`, once per device; without a
         directory they are the defaults.
         """
-        given = {name: getattr(aio, name) for name in ("block_size", "queue_depth", "thread_count")}
+        given = {name: getattr(aio, name) for name in ("block_size", "queue_depth", "thread_count", "backend")}
         if "auto" in given.values():
             from terascale.offload.probe import probe_options  # probe imports this module
 
@@ -170,10 +184,15 @@ class _Request:
 class _Workers:
     """The worker threads and their priority queue. Kept apart from :class:`AsyncIO` so
     that a finaliser can stop the threads of an engine nobody closed (at exit, or when it
-    is collected) after finishing what was queued."""
+    is collected) after finishing what was queued.
 
-    def __init__(self, count: int, trace_name: str | None, activity: IoActivity) -> None:
+    With kernel queues, each of their threads submits and reaps up to its queue's depth
+    of pieces ([Note: the kernel AIO backend]); otherwise each of ``count`` threads moves
+    one piece at a time."""
+
+    def __init__(self, count: int, queues: list[KernelQueue], trace_name: str | None, activity: IoActivity) -> None:
         self.count = count
+        self.queues = queues
         self.trace_name = trace_name
         self.activity = activity
         self.cv = threading.Condition()
@@ -186,13 +205,16 @@ class _Workers:
         with self.cv:
             assert not self.closed, "the I/O engine is closed"
             if not self.threads:
-                self.threads = [threading.Thread(target=self._run, name=f"terascale-aio-{i}", daemon=True)
-                                for i in range(self.count)]  # fmt: skip
+                targets = [partial(self._run_kernel, q) for q in self.queues] or [self._run] * self.count
+                self.threads = [threading.Thread(target=t, name=f"terascale-aio-{i}", daemon=True)
+                                for i, t in enumerate(targets)]  # fmt: skip
                 for t in self.threads:
                     t.start()
             for piece in pieces:
                 heapq.heappush(self.heap, (priority, next(self.seq), piece))
             self.cv.notify(len(pieces))
+        for q in self.queues:
+            q.wake()
 
     def promote(self, request: _Request) -> None:
         """Move ``request``'s pieces that no worker took yet to the front of the queue."""
@@ -201,42 +223,96 @@ class _Workers:
             for piece in waiting:  # the old entries are skipped once these are claimed
                 heapq.heappush(self.heap, (_WAITED, next(self.seq), piece))
 
+    def _take(self, limit: int) -> list[list]:
+        """Claim up to ``limit`` pieces, most urgent first (under the lock)."""
+        taken = []
+        while self.heap and len(taken) < limit:
+            piece = heapq.heappop(self.heap)[2]
+            if piece[3]:
+                continue
+            piece[3] = True
+            self.activity.begin(piece[0].op, time.perf_counter())
+            taken.append(piece)
+        return taken
+
     def _run(self) -> None:
-        cv, heap, activity = self.cv, self.heap, self.activity
+        cv = self.cv
         while True:
             with cv:
-                while True:
-                    while not heap and not self.closed:
-                        cv.wait()
-                    if not heap:
-                        return
-                    piece = heapq.heappop(heap)[2]
-                    if not piece[3]:
-                        break
-                piece[3] = True
-                request = piece[0]
-                activity.begin(request.op, time.perf_counter())
-            try:
-                if request.error is None:
-                    if self.trace_name is None:
-                        _transfer(request, piece[1], piece[2])
-                    else:
-                        with named_range(self.trace_name, request.op):
-                            _transfer(request, piece[1], piece[2])
-            except BaseException as exc:  # noqa: BLE001  (handed to whoever waits)
-                with cv:  # the error of the first failed piece in the file, whichever ran first
-                    if request.error is None or piece[1] < request.error_at:
-                        request.error, request.error_at = exc, piece[1]
-            finally:
-                with cv:
-                    activity.end(request.op, time.perf_counter())
-                    request.pending -= 1
-                    if request.pending == 0:
-                        # Let go of the caller's memory now, not when the garbage collector
-                        # finds the request <-> pieces cycle: buffers are often gigabytes.
-                        request.view = None
-                        request.pieces = []
-                        request.finished.set()
+                while not self.heap and not self.closed:
+                    cv.wait()
+                taken = self._take(1)
+                if not taken and self.closed and not self.heap:
+                    return
+            for piece in taken:
+                self._finish(piece, self._move(piece, piece[1], piece[2]))
+
+    def _run_kernel(self, q: KernelQueue) -> None:
+        while True:
+            for (piece, rng), res in q.reap():
+                rng.__exit__(None, None, None)
+                self._finish(piece, self._completed(piece, res))
+            with self.cv:
+                taken = self._take(q.free)
+                idle = not self.heap
+                if not taken and idle and q.in_flight == 0 and self.closed:
+                    break
+            batch = []
+            for piece in taken:
+                request, lo, hi = piece[0], piece[1], piece[2]
+                fd = _direct_fd(request, lo, hi)
+                if fd is None or request.error is not None:  # not a kernel AIO transfer
+                    self._finish(piece, self._move(piece, lo, hi))
+                    continue
+                rng = self._range(request.op)
+                rng.__enter__()
+                batch.append(((piece, rng), request.op == "read", fd, request.addr + lo, hi - lo, request.offset + lo))
+            for piece, rng in q.submit(batch) if batch else ():  # refused by the kernel: move them here
+                rng.__exit__(None, None, None)
+                self._finish(piece, self._move(piece, piece[1], piece[2]))
+            if q.in_flight or idle:
+                q.wait()  # a completion, or new pieces queued
+        q.close()
+
+    def _range(self, op: str) -> contextlib.AbstractContextManager:
+        return _NO_RANGE if self.trace_name is None else named_range(self.trace_name, op)
+
+    def _move(self, piece: list, lo: int, hi: int) -> BaseException | None:
+        """Move bytes ``[lo, hi)`` of ``piece``'s request on this thread; the error if any."""
+        request = piece[0]
+        if request.error is not None:
+            return None
+        try:
+            with self._range(request.op):
+                _transfer(request, lo, hi)
+        except BaseException as exc:  # noqa: BLE001  (handed to whoever waits)
+            return exc
+        return None
+
+    def _completed(self, piece: list, res: int) -> BaseException | None:
+        """The outcome of a kernel transfer of ``piece`` that returned ``res``."""
+        request, lo, hi = piece[0], piece[1], piece[2]
+        if res < 0:
+            err = OSError(-res, os.strerror(-res))
+            return AioError(-res, _explain(err, request.op, request.path, request.offset + lo, hi - lo), str(request.path))
+        if res < hi - lo:  # a short transfer (the end of the file): finish it here, or say why not
+            return self._move(piece, lo + res, hi)
+        return None
+
+    def _finish(self, piece: list, error: BaseException | None) -> None:
+        request = piece[0]
+        with self.cv:
+            # The error of the first failed piece in the file, whichever failed first.
+            if error is not None and (request.error is None or piece[1] < request.error_at):
+                request.error, request.error_at = error, piece[1]
+            self.activity.end(request.op, time.perf_counter())
+            request.pending -= 1
+            if request.pending == 0:
+                # Let go of the caller's memory now, not when the garbage collector finds
+                # the request <-> pieces cycle: buffers are often gigabytes.
+                request.view = None
+                request.pieces = []
+                request.finished.set()
 
     def shutdown(self) -> None:
         """Finish the queued pieces, then stop the threads."""
@@ -244,9 +320,14 @@ class _Workers:
             self.closed = True
             self.cv.notify_all()
             threads = self.threads
+        for q in self.queues:
+            q.wake()
         for t in threads:
             if t is not threading.current_thread():
                 t.join()
+        if not threads:
+            for q in self.queues:
+                q.close()
 
 
 class IoHandle:
@@ -304,7 +385,7 @@ class AsyncIO:
         self._direct = direct and _O_DIRECT != 0
         self.trace_name = trace_name
         self.activity = IoActivity()
-        self._workers = _Workers(self.options.workers, trace_name, self.activity)
+        self._workers = _Workers(self.options.workers, self._kernel_queues(), trace_name, self.activity)
         self._finalizer = weakref.finalize(self, _Workers.shutdown, self._workers)
         self._lock = threading.Lock()
         self._fds: dict[tuple[str, bool], int | None] = {}
@@ -316,6 +397,25 @@ class AsyncIO:
         # stalls. Background threads' waits (checkpoint writes, prefetch) are not stalls.
         self.owner_thread = threading.get_ident()
         self.blocked_s = 0.0
+
+    def _kernel_queues(self) -> list[KernelQueue]:
+        """``thread_count`` kernel AIO queues of ``queue_depth`` slots for the "kernel"
+        backend (none: threads). Raises ValueError where the machine has none to give."""
+        opts = self.options
+        if opts.backend == "threads" or not self._direct:
+            return []
+        queues = [open_queue(opts.queue_depth) for _ in range(opts.thread_count)]
+        if all(q is not None for q in queues):
+            return queues
+        for q in queues:
+            if q is not None:
+                q.close()
+        raise ValueError("aio backend 'kernel': this machine has no kernel AIO queue to give (io_setup failed)")
+
+    @property
+    def backend(self) -> str:
+        """"kernel" or "threads": what this engine runs on."""
+        return "kernel" if self._workers.queues else "threads"
 
     # -- submission --------------------------------------------------------------------------
 
@@ -477,11 +577,18 @@ def _transfer(request: _Request, lo: int, hi: int) -> None:
         _transfer_block(request, a, min(a + request.block, hi))
 
 
+def _direct_fd(request: _Request, lo: int, hi: int) -> int | None:
+    """The O_DIRECT descriptor for bytes ``[lo, hi)`` of ``request``, if they may use it."""
+    direct = request.fds[1]
+    if direct is None or (request.addr + lo) % ALIGNMENT or (request.offset + lo) % ALIGNMENT or (hi - lo) % ALIGNMENT:
+        return None
+    return direct
+
+
 def _transfer_block(request: _Request, lo: int, hi: int) -> None:
-    op, (plain, direct), view, addr, offset, path = (
-        request.op, request.fds, request.view, request.addr, request.offset, request.path)  # fmt: skip
-    aligned = not ((addr + lo) % ALIGNMENT or (offset + lo) % ALIGNMENT or (hi - lo) % ALIGNMENT)
-    fd = direct if direct is not None and aligned else plain
+    op, view, offset, path = request.op, request.view, request.offset, request.path
+    fd = _direct_fd(request, lo, hi)
+    fd = request.fds[0] if fd is None else fd
     call = os.preadv if op == "read" else os.pwritev
     piece, done, want = view[lo:hi], 0, hi - lo
     while done < want:
