@@ -170,15 +170,15 @@ _AIO_PROBED = ("block_size", "queue_depth", "thread_count", "backend")
 class AioConfig(Section):
     """``aio``: the asynchronous NVMe I/O engine (used only with NVMe offload).
 
-    The defaults are terascale's, measured (``bench/aio.py``): 4 MiB pieces, 8 in flight;
+    The defaults are terascale's, measured (``bench/aio.py``): 16 MiB pieces, 16 in flight;
     DeepSpeed's are 1 MiB and 8. ``"auto"`` for any of ``block_size``, ``queue_depth``,
     ``thread_count`` and ``backend`` (or ``"aio": "auto"`` for all four) measures them on
     the NVMe path at start-up ([Note: the aio probe]); ``"auto"`` here is data for the
     engine, not a value an integration fills.
     """
 
-    block_size: PositiveOrAuto = 4 << 20
-    queue_depth: PositiveOrAuto = 8
+    block_size: PositiveOrAuto = 16 << 20
+    queue_depth: PositiveOrAuto = 16
     thread_count: PositiveOrAuto = Field(1, alias="intra_op_parallelism")
     single_submit: bool = False
     overlap_events: bool = True
