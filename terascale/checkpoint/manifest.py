@@ -106,7 +106,9 @@ class Manifest:
             "extra": self.extra,
         }
         try:
-            return json.dumps(doc, indent=1)
+            # One line: json's C encoder runs only without indentation, and the RNG states
+            # make this thousands of numbers (5 ms a save indented, of a 0.19 s save).
+            return json.dumps(doc, separators=(",", ":"))
         except TypeError as exc:
             raise TypeError(
                 f"checkpoint state is not JSON-serialisable ({exc}); the LR scheduler's state_dict() "

@@ -117,8 +117,9 @@ class SafetensorsStream:
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                     raise OSError(exc.errno, f"cannot allocate {self.nbytes} bytes for '{self.path}': {exc.strerror}") from exc
         self._buf: torch.Tensor | None = None
-        self._fill = 0  # bytes staged in _buf
-        self._offset = self._data_start  # file offset of _buf[0]
+        self._fill = 0  # _buf's bytes used (from its start)
+        self._skew = 0  # where _buf's staged bytes begin: _offset mod ALIGNMENT
+        self._offset = self._data_start  # file offset of _buf[_skew]
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
         """Append ``tensor`` (any device, contiguous or not) as entry ``key``. Its bytes
@@ -137,7 +138,10 @@ class SafetensorsStream:
         while done < total:
             if self._buf is None:
                 self._buf = self._writes.acquire()
-                self._fill = 0
+                # The bytes go as far into the buffer as the file offset is past a block
+                # boundary, so that every piece but the head of the first goes O_DIRECT
+                # (the header makes the data start anywhere).
+                self._fill = self._skew = self._offset % ALIGNMENT
             n = min(total - done, self._buf.numel() - self._fill)
             self._buf[self._fill : self._fill + n].copy_(flat[done : done + n])
             self._fill += n
@@ -148,8 +152,8 @@ class SafetensorsStream:
     def _flush(self) -> None:
         if self._buf is None:
             return
-        self._writes.write(self._buf, self._buf[: self._fill], self.path, self._offset)
-        self._offset += self._fill
+        self._writes.write(self._buf, self._buf[self._skew : self._fill], self.path, self._offset)
+        self._offset += self._fill - self._skew
         self._buf = None
 
     def close(self) -> int:

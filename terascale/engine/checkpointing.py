@@ -41,10 +41,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("terascale")
 
 CLIENT_STATE = "client_state.pt"
-# Shard files are written once, sequentially: 4 MiB pieces, 8 in flight (measured best
-# on this machine's disk among 1-16 MiB pieces and 8-32 in flight; more threads only
-# contend with the staging copy for the cores).
-_WRITE_OPTIONS = AioOptions(block_size=4 << 20, queue_depth=8)
+# Shard files are written once, sequentially, from the staging pool: the engine's
+# defaults (16 MiB pieces, 16 in flight) measured as fast as any setting here (4-16 MiB
+# pieces, 8-16 in flight: all within 1% of each other, at about 0.9x the raw disk).
+_WRITE_OPTIONS = AioOptions()
 
 
 class Checkpointer:
