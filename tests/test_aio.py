@@ -301,7 +301,7 @@ def test_config_auto_values_probe_and_given_values_do_not(tmp_path, monkeypatch)
 
 
 def test_the_kernel_backend_is_asked_for_and_refused_where_there_is_none(monkeypatch):
-    assert AioOptions().backend == "threads"  # the default (RESULTS.md: the kernel's queue was no faster)
+    assert AioOptions().backend == "threads"  # the default (RESULTS.md: the kernel's queue trained slower)
     if "kernel" in BACKENDS:
         with AsyncIO(AioOptions(backend="kernel")) as aio:
             assert aio.backend == "kernel"

@@ -19,9 +19,11 @@ buffer address, file offset and length to be multiples of the device's block siz
 ordinary descriptor of the same file instead (Linux keeps the two coherent), so any
 tensor can be read or written, aligned ones fast.
 
-Measured against this design (``bench/aio.py --sweep``, RESULTS.md): the kernel's AIO
-queue (``io_submit``/``io_getevents`` through ctypes, one submitting thread) gave no more
-bandwidth than threads at any block size or depth; io_uring's binding that installs as a
+Measured against this design (``bench/aio.py``, RESULTS.md): the kernel's AIO queue
+(``io_submit``/``io_getevents`` through ctypes, one submitting thread; ``backend:
+"kernel"``) gave no more bandwidth than threads on rewrites and reads at any block size or
+depth, 7-10% more on writes into new files, and a slower offloaded training step, so it is
+an option rather than the default; io_uring's binding that installs as a
 wheel (``liburing``) takes only ``bytes``/``bytearray`` objects, so it cannot move a
 tensor's (or any aligned) memory. What did matter was the buffers' pages (see [Note:
 huge-page I/O buffers]) and the block size.
