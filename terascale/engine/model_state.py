@@ -50,7 +50,7 @@ from terascale.comm import ops as comm_ops
 from terascale.config import Config
 from terascale.comm.collectives import global_grad_sq_norm
 from terascale.engine.precision import MasterWeights, PrecisionPolicy
-from terascale.offload.aio import IoActivity
+from terascale.offload.aio import IoActivity, io_traffic
 from terascale.zero import ShardedState, WrapPolicy, zero_options
 from terascale.zero.flat_group import FlatLayout
 from terascale.zero.init import materialize
@@ -226,7 +226,7 @@ class ReplicatedState:
         }
 
     def offload_io(self) -> dict[str, float]:  # stage 0 has no offload tier
-        return {"read": 0, "written": 0, "read_busy_s": 0.0, "write_busy_s": 0.0, "busy_s": 0.0}
+        return io_traffic(None)
 
     def offload_activity(self) -> IoActivity | None:
         return None

@@ -55,7 +55,7 @@ from terascale.comm.ops import named_range
 from terascale.offload.host_buffers import ALIGNMENT, aligned_empty
 from terascale.offload.kernel_aio import KernelQueue, open_queue
 
-__all__ = ["ALIGNMENT", "AioError", "AioOptions", "AsyncIO", "IoActivity", "IoHandle", "aligned_empty"]
+__all__ = ["ALIGNMENT", "AioError", "AioOptions", "AsyncIO", "IoActivity", "IoHandle", "aligned_empty", "io_traffic"]
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -551,6 +551,17 @@ class AsyncIO:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def io_traffic(aio: AsyncIO | None) -> dict[str, float]:
+    """``aio``'s traffic so far: bytes ``read`` and ``written``, and seconds it had reads,
+    writes or either in flight (``read_busy_s``, ``write_busy_s``, ``busy_s``); zeros
+    without an engine."""
+    if aio is None:
+        return {"read": 0, "written": 0, "read_busy_s": 0.0, "write_busy_s": 0.0, "busy_s": 0.0}
+    busy = aio.activity.busy()
+    return {"read": aio.bytes_read, "written": aio.bytes_written, "read_busy_s": busy["read"],
+            "write_busy_s": busy["write"], "busy_s": busy["any"]}  # fmt: skip
 
 
 def _cuts(addr: int, offset: int, nbytes: int, block: int) -> list[int]:

@@ -17,7 +17,7 @@ shard's L2 norm is taken before it is written, so clipping and the fp16 overflow
 never read gradients back. The step reads each optimizer run's gradient pieces (only
 their byte ranges, widened to 4 KiB blocks so that they go ``O_DIRECT``; every file is
 written to a whole number of blocks) one run ahead of the run being updated, into a
-second small pool of aligned buffers (:meth:`GradSwapper.read_run`).
+second small pool of aligned buffers (:meth:`GradSwapper.reader`, :class:`RunReader`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class GradSwapper:
         self.pool = BufferPool(max(1, buffer_count), pin_memory=pin_memory)
         self.pool.reserve(max(self.shard_numel, default=1) * dtype.itemsize)
         self.writes = WriteBehind(self.pool, aio)
-        # The step's reads: the run being updated and the one read ahead (see read_run).
+        # The step's reads: the run being updated and the one read ahead (see RunReader).
         self.run_pool = BufferPool(2, pin_memory=pin_memory)
         directory.require_free(sum(self.shard_numel) * dtype.itemsize, "gradient shards (offload_optimizer)")
         self.norms: list[torch.Tensor | None] = [None] * len(self.shard_numel)  # set on the window's last micro-step

@@ -3,9 +3,11 @@
 [Note: the kernel AIO backend]
 A thread blocked in ``pwritev`` keeps one request in flight; a kernel AIO context keeps
 ``queue_depth`` of them for one thread that only submits and reaps. That is how
-DeepSpeed's op works (libaio, which wraps these same system calls), and on this project's
-disk, with 4-16 MiB pieces on huge-page buffers, it moved 5-20% more than the same number
-of threads (``bench/aio.py``, RESULTS.md). No library is needed: :class:`KernelQueue`
+DeepSpeed's op works (libaio, which wraps these same system calls). On this project's
+disk, with 4-16 MiB pieces on huge-page buffers, it wrote new files 7-10% faster than
+the same number of threads, tied on rewrites and reads, and ran an offloaded training
+step about 10% slower (``bench/aio.py``, ``bench/offload.py``, RESULTS.md), so it is the
+``backend: "kernel"`` option, not the default. No library is needed: :class:`KernelQueue`
 makes the four system calls with ctypes, and completions wake the submitting thread
 through an ``eventfd`` that the engine also writes when it queues new pieces, so one
 blocking read waits for either. Only ``O_DIRECT`` transfers are asynchronous in the

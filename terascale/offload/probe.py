@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from terascale.offload.aio import DEFAULT_BLOCK_SIZE, DEFAULT_QUEUE_DEPTH, DEFAULT_THREAD_COUNT, AioOptions, AsyncIO
+from terascale.offload.aio import AioOptions, AsyncIO
 from terascale.offload.host_buffers import aligned_empty
 from terascale.offload.kernel_aio import open_queue
 
@@ -48,9 +48,8 @@ def probe_options(directory: str | os.PathLike | None, given: dict[str, object])
     Without a directory to measure (``None``), the missing values are the defaults.
     """
     if directory is None:
-        defaults = {"block_size": DEFAULT_BLOCK_SIZE, "queue_depth": DEFAULT_QUEUE_DEPTH,
-                    "thread_count": DEFAULT_THREAD_COUNT, "backend": "threads"}  # fmt: skip
-        return {k: given.get(k, defaults[k]) for k in _KEYS}
+        defaults = AioOptions()
+        return {k: given.get(k, getattr(defaults, k)) for k in _KEYS}
     root = Path(directory)
     if not root.is_dir():
         raise ValueError(f"nvme_path '{root}' is not an existing directory; create it or point nvme_path elsewhere")

@@ -103,13 +103,13 @@ class WriteBehind:
     def acquire(self) -> torch.Tensor:
         """A pool buffer, waiting for the oldest writes to finish while none is free."""
         while not self.pool.available():
-            self.finish_oldest()
+            self._finish_oldest()
         return self.pool.acquire()
 
     def available_now(self) -> bool:
         """Whether a buffer is free without waiting (finished writes give theirs back)."""
         while self._writes and self._writes[0][1].done():
-            self.finish_oldest()
+            self._finish_oldest()
         return self.pool.available()
 
     def write(self, buf: torch.Tensor, data: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> None:
@@ -121,18 +121,14 @@ class WriteBehind:
         """Wait until no write to ``path`` is in flight (before reading it back)."""
         path = Path(path)
         while any(p == path for _, _, p in self._writes):
-            self.finish_oldest()
+            self._finish_oldest()
 
     def drain(self) -> None:
         """Wait for every write (raising a failed one's error)."""
         while self._writes:
-            self.finish_oldest()
+            self._finish_oldest()
 
-    def pending(self) -> int:
-        """Writes not yet waited for."""
-        return len(self._writes)
-
-    def finish_oldest(self) -> None:
+    def _finish_oldest(self) -> None:
         """Wait for the oldest write in flight (raising its error) and give its buffer back."""
         buf, handle, _ = self._writes.popleft()
         handle.wait()  # raises a failed write here

@@ -30,7 +30,7 @@ from terascale.comm.collectives import global_grad_sq_norm
 from terascale.config import Config
 from terascale.config.schema import TORCH_DTYPES
 from terascale.offload import AsyncIO, OptimizerOffload, host_adam, optimizer_offload
-from terascale.offload.aio import IoActivity
+from terascale.offload.aio import IoActivity, io_traffic
 from terascale.offload.grads import GradSwapper
 from terascale.offload.optimizer import OptimizerSwapper
 from terascale.offload.params import OffloadedParams
@@ -536,12 +536,7 @@ class ShardedState:
         """This rank's swap traffic since construction: bytes ``read`` and ``written``, and
         seconds the I/O engine had reads, writes or either in flight (``read_busy_s``,
         ``write_busy_s``, ``busy_s``)."""
-        aio = self.swap_io
-        if aio is None:
-            return {"read": 0, "written": 0, "read_busy_s": 0.0, "write_busy_s": 0.0, "busy_s": 0.0}
-        busy = aio.activity.busy()
-        return {"read": aio.bytes_read, "written": aio.bytes_written, "read_busy_s": busy["read"],
-                "write_busy_s": busy["write"], "busy_s": busy["any"]}  # fmt: skip
+        return io_traffic(self.swap_io)
 
     def offload_activity(self) -> IoActivity | None:
         """When this rank's swap engine was busy (see :class:`IoActivity`); None without NVMe."""
