@@ -34,11 +34,12 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 7), nn.GELU(), nn.Linear(7, 3))
 
 
-def _rank_checks():
+def _rank_checks(kept: bool):
     import torch.distributed as dist
 
     from terascale.comm import init_distributed
     from terascale.zero import FlatParamGroup, ShardState
+    from terascale.zero.flat_group import FullBuffers
 
     ctx = init_distributed()
     rank, world = ctx.rank, ctx.world_size
@@ -46,7 +47,12 @@ def _rank_checks():
     named = list(model.named_parameters())
     before = {n: p.detach().clone() for n, p in named}
     objects = [p for _, p in named]
-    group = FlatParamGroup(named, ctx.dp_group)
+    # Kept memory is exercised by a second group of the same size taking it in between.
+    buffers = FullBuffers(0) if kept else None  # as the engine builds: nothing kept yet
+    group = FlatParamGroup(named, ctx.dp_group, buffers=buffers)
+    other = FlatParamGroup(list(_model().named_parameters()), ctx.dp_group, buffers=buffers)
+    if kept:
+        buffers.max_idle_bytes = 1 << 20
     # A non-persistent group starts sharded: parameters hold no elements until gathered.
     assert group.state is ShardState.SHARDED and all(p.numel() == 0 for _, p in named)
     group.unshard()
@@ -63,13 +69,23 @@ def _rank_checks():
     for p, f in group.owned_fragments():
         assert torch.equal(group.shard[f.shard_offset : f.shard_offset + f.numel], p.detach().reshape(-1)[f.start : f.end])
 
-    # Autograd's saved views stay valid across a free and re-gather.
+    # Autograd's saved views stay valid across a free and re-gather, including views that
+    # are not the parameters themselves (the transpose here), whose tensors autograd keeps.
     x = torch.randn(4, 5, generator=torch.Generator().manual_seed(3))
     ref_model = _model()
-    ref_model(x).square().sum().backward()
-    loss = model(x).square().sum()
+    (ref_model(x).square().sum() + (x @ ref_model[0].weight.t()).sum()).backward()
+    loss = model(x).square().sum() + (x @ model[0].weight.t()).sum()
+    address = group.full_buffer.untyped_storage().data_ptr()
     group.reshard()
     assert group.state is ShardState.SHARDED and group.full_buffer.untyped_storage().nbytes() == 0
+    if kept:
+        # The freed memory is kept and serves the other group's gather (which overwrites
+        # it); this group then gathers into fresh memory, where its saved views must follow.
+        nbytes = group.layout.padded_numel * 4
+        assert buffers.idle_bytes == nbytes
+        other.unshard()
+        assert buffers.reused == 1 and buffers.idle_bytes == 0
+        assert other.full_buffer.untyped_storage().data_ptr() == address
     # A sharded parameter has no elements: using it fails on the shape, never reads freed memory.
     assert model[0].weight.numel() == 0
     with pytest.raises(RuntimeError):
@@ -78,7 +94,11 @@ def _rank_checks():
     assert group.state in (ShardState.GATHERING, ShardState.UNSHARDED)
     group.wait()
     assert group.state is ShardState.UNSHARDED
+    if kept:
+        assert buffers.reused == 1 and group.full_buffer.untyped_storage().data_ptr() != address
     loss.backward()
+    if kept:
+        other.reshard()
     for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=n)
 
@@ -113,8 +133,27 @@ def _rank_checks():
     return repr(group)
 
 
-@pytest.mark.parametrize("world", [1, 3])
-def test_flat_group_round_trips(world):
-    # World 3 pads (74 elements -> 75) and splits parameters across shards.
-    reprs = run_ranks(_rank_checks, world)
+@pytest.mark.parametrize(("world", "kept"), [(1, False), (3, False), (3, True)])
+def test_flat_group_round_trips(world, kept):
+    # World 3 pads (74 elements -> 75) and splits parameters across shards. With ``kept``
+    # the full buffers' memory is kept between gathers ([Note: kept full buffers]).
+    reprs = run_ranks(_rank_checks, world, kept)
     assert all("unsharded" in r for r in reprs)
+
+
+def test_kept_full_buffers_stay_within_their_bound_and_serve_their_size():
+    from terascale.zero.flat_group import FullBuffers
+
+    buffers = FullBuffers(max_idle_bytes=100)
+    first, second, large = torch.UntypedStorage(60), torch.UntypedStorage(60), torch.UntypedStorage(200)
+    second_address = second.data_ptr()
+    buffers.release(first)
+    buffers.release(second)  # displaces the longer-idle first: 120 bytes exceed the bound
+    buffers.release(large)  # larger than the bound: freed
+    assert (first.nbytes(), second.nbytes(), large.nbytes(), buffers.idle_bytes) == (0, 0, 0, 60)
+    other_size = torch.UntypedStorage(0)
+    buffers.fill(other_size, 40)  # no kept memory of this size: a fresh allocation
+    assert other_size.nbytes() == 40 and buffers.reused == 0 and buffers.idle_bytes == 60
+    target = torch.UntypedStorage(0)
+    buffers.fill(target, 60)
+    assert target.data_ptr() == second_address and buffers.reused == 1 and buffers.idle_bytes == 0

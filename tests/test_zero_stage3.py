@@ -64,6 +64,7 @@ def _schedule_rank(reuse: int) -> dict:
         "prefetches": schedule.prefetches,
         "memory": engine.memory_breakdown(),
         "numel": sum(fg.numel for fg in engine._state.groups),
+        "kept": (engine._state.full_buffers.reused, engine._state.full_buffers.idle_bytes),
     }
     # A different code path (the 'rare' branch): the trace no longer matches; no hang, re-trace.
     _train(engine, 2, use_rare=lambda s: True)
@@ -82,8 +83,10 @@ def test_stage3_shards_between_uses_traces_and_prefetches():
         # The first iteration has no trace, later ones prefetch along it.
         assert r0["prefetches"] > 0
         assert r0["gathers"][1] == r0["gathers"][2]
-        # Between steps only shards (half of every group) and no gathered group remain.
+        # Between steps only shards (half of every group) and no gathered group remain;
+        # freed full buffers served later gathers and none is kept past backward.
         assert r0["memory"]["gathered_params"] == 0
+        assert r0["kept"][0] > 0 and r0["kept"][1] == 0
         half = (r0["numel"] + 1) // 2 * 4
         assert abs(r0["memory"]["params"] - half) <= 4 * 8
         if reuse == 0:

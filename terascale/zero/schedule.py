@@ -120,7 +120,7 @@ class ParamSchedule:
             # that follows needs the group, and frees it when its gradients are done.
             keep = self._in_backward() or (training and (g in self._root or self._reused_soon(g)))
             if not keep and self.groups[g].state is ShardState.UNSHARDED:
-                self.groups[g].reshard()
+                self.groups[g].reshard(keep_memory=self._gather_of_size_ahead(g))
 
         return hook
 
@@ -214,7 +214,20 @@ class ParamSchedule:
         fg = self.groups[g]
         fg.wait()
         if fg.state is ShardState.UNSHARDED:
-            fg.reshard()
+            fg.reshard(keep_memory=self._gather_of_size_ahead(g))
+
+    def _gather_of_size_ahead(self, g: int) -> bool:
+        """Whether the trace still has a gather of a group the size of ``g`` (``g`` itself,
+        or one now sharded) ahead: then ``g``'s memory is worth keeping for it ([Note: kept
+        full buffers]). Without a trace to follow, assume so."""
+        if not self._following:
+            return True
+        size = self.groups[g].full_buffer.untyped_storage().nbytes()
+        for h in self.trace[self._cursor :]:
+            fh = self.groups[h]
+            if (h == g or fh.state is ShardState.SHARDED) and fh.layout.padded_numel * fh.dtype.itemsize == size:
+                return True
+        return False
 
     def _live_numel(self) -> int:
         return sum(fg.numel for g, fg in enumerate(self.groups) if self._dynamic[g] and fg.state is not ShardState.SHARDED)

@@ -37,7 +37,7 @@ from terascale.offload.params import OffloadedParams
 from terascale.offload.policy import ParamOffload, param_offload
 from terascale.offload.swap import SwapDirectory
 from terascale.optim.lamb import Lamb
-from terascale.zero.flat_group import FlatParamGroup, ShardState
+from terascale.zero.flat_group import FlatParamGroup, FullBuffers, ShardState, keeps_full_buffers
 from terascale.zero.gather import owner_of, register_owner, unregister
 from terascale.zero.grads import GradPolicy, ShardedGrads
 from terascale.zero.host import (
@@ -161,6 +161,9 @@ class ShardedState:
             if options.offload_param.enabled
             else None
         )
+        # Freed full buffers kept for the next gather (host only: [Note: kept full buffers]);
+        # nothing is kept while building, the bound is set once the groups' sizes are known.
+        self.full_buffers = FullBuffers(0) if options.stage == 3 and keeps_full_buffers(device) else None
         self.groups: list[FlatParamGroup] = []
         for plan in self.plans:
             fg = FlatParamGroup(
@@ -172,6 +175,7 @@ class ShardedState:
                 init_values=lambda i, p: _initial_value(p),
                 shapes=[_initial_shape(p) for p in plan.params],
                 index=len(self.groups),
+                buffers=self.full_buffers,
             )
             for p in fg.params:
                 release = getattr(owner_of(p), "release_ownership", None)
@@ -183,6 +187,9 @@ class ShardedState:
                 self.params.add(fg, offload=not fg.persistent)
             if device.type == "cpu":
                 return_freed_host_memory()  # the full copies of sharded parameters are gone
+        if self.full_buffers is not None:
+            sizes = [fg.layout.padded_numel * fg.dtype.itemsize for fg in self.groups if not fg.persistent]
+            self.full_buffers.max_idle_bytes = max(sizes, default=0)
         self._group_of = {id(p): g for g, fg in enumerate(self.groups) for p in fg.params}
         # Trainable parameters numbered in module order, the same on every rank: the rows of
         # the per-parameter norms of [Note: optimizers on shards].
@@ -286,6 +293,8 @@ class ShardedState:
         self.grads.post_backward()
         if self.schedule is not None:
             self.schedule.post_backward()
+        if self.full_buffers is not None:
+            self.full_buffers.clear()  # between steps the memory is the optimizer's
 
     def grad_sq_norm(self, skip: Collection[int] = frozenset(), extra: torch.Tensor | None = None) -> torch.Tensor:
         """The squared L2 norm of the window's reduced gradients over the data-parallel
