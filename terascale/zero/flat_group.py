@@ -282,11 +282,10 @@ class FlatParamGroup:
         """
         if self.state is not ShardState.SHARDED:
             return
-        nbytes = self.layout.padded_numel * self._full.element_size()
         if self._buffers is None:
-            self._full.untyped_storage().resize_(nbytes)
+            self._full.untyped_storage().resize_(self.full_nbytes)
         else:
-            self._buffers.fill(self._full.untyped_storage(), nbytes)
+            self._buffers.fill(self._full.untyped_storage(), self.full_nbytes)
         self._gather(async_op)
 
     def regather(self, async_op: bool = False) -> None:
@@ -353,6 +352,16 @@ class FlatParamGroup:
     @property
     def numel(self) -> int:
         return self.layout.numel
+
+    @property
+    def full_nbytes(self) -> int:
+        """Bytes of the padded full buffer while gathered."""
+        return self.layout.padded_numel * self.dtype.itemsize
+
+    @property
+    def keeps_memory(self) -> bool:
+        """Whether :meth:`reshard` can keep the freed memory for a later gather."""
+        return self._buffers is not None
 
     def __repr__(self) -> str:
         return (

@@ -220,12 +220,14 @@ class ParamSchedule:
         """Whether the trace still has a gather of a group the size of ``g`` (``g`` itself,
         or one now sharded) ahead: then ``g``'s memory is worth keeping for it ([Note: kept
         full buffers]). Without a trace to follow, assume so."""
+        if not self.groups[g].keeps_memory:
+            return False  # nothing to decide (an accelerator's allocator reuses memory)
         if not self._following:
             return True
-        size = self.groups[g].full_buffer.untyped_storage().nbytes()
+        size = self.groups[g].full_nbytes
         for h in self.trace[self._cursor :]:
             fh = self.groups[h]
-            if (h == g or fh.state is ShardState.SHARDED) and fh.layout.padded_numel * fh.dtype.itemsize == size:
+            if (h == g or fh.state is ShardState.SHARDED) and fh.full_nbytes == size:
                 return True
         return False
 

@@ -188,7 +188,7 @@ class ShardedState:
             if device.type == "cpu":
                 return_freed_host_memory()  # the full copies of sharded parameters are gone
         if self.full_buffers is not None:
-            sizes = [fg.layout.padded_numel * fg.dtype.itemsize for fg in self.groups if not fg.persistent]
+            sizes = [fg.full_nbytes for fg in self.groups if not fg.persistent]
             self.full_buffers.max_idle_bytes = max(sizes, default=0)
         self._group_of = {id(p): g for g, fg in enumerate(self.groups) for p in fg.params}
         # Trainable parameters numbered in module order, the same on every rank: the rows of
@@ -523,13 +523,12 @@ class ShardedState:
         bytes in swap files."""
         params = gathered = 0
         for fg in self.groups:
-            size = fg.dtype.itemsize
             if fg.persistent:
-                params += fg.layout.padded_numel * size
+                params += fg.full_nbytes
             else:
-                params += fg.shard.numel() * size  # 0 while offloaded to NVMe
+                params += fg.shard.numel() * fg.dtype.itemsize  # 0 while offloaded to NVMe
                 if fg.state is not ShardState.SHARDED:
-                    gathered += fg.layout.padded_numel * size
+                    gathered += fg.full_nbytes
         tiers = [t for t in (self.swapper, self.params, self.grads.swapper) if t is not None]
         return {
             "params": params,
