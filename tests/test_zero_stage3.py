@@ -282,16 +282,34 @@ def _save16_rank(out_dir: str) -> dict:
     engine, *_ = terascale.initialize(model=make_model(), config=config, wrap_policy=_linear_groups())
     _train(engine, 2)
     saved = engine.save_16bit_model(out_dir, "model.safetensors")
-    return {"refused": refused, "saved": saved, "state": engine.full_state_dict()}
+    state = engine.full_state_dict()
+    from safetensors.torch import load_file
+
+    # Collective: the file is complete wherever the call returns, so rank 1 reads it at once.
+    read_back = sorted(load_file(f"{out_dir}/model.safetensors"))
+    # Rank 0's write fails (the folder is a file): every rank raises, none is left waiting.
+    open(f"{out_dir}/blocker", "w").close()
+    try:
+        engine.save_16bit_model(f"{out_dir}/blocker", "model.safetensors")
+        failed = "no error"
+    except Exception as err:  # noqa: BLE001
+        failed = f"{type(err).__name__}: {err}"
+    _train(engine, 1)  # the ranks' collectives still line up after the failure
+    return {"refused": refused, "saved": saved, "state": state, "read_back": read_back,
+            "failed": failed}  # fmt: skip
 
 
 def test_save_16bit_model_gathers_stage3_weights(tmp_path):
     from safetensors.torch import load_file
 
-    r0, _ = run_ranks(_save16_rank, 2, str(tmp_path))
+    r0, r1 = run_ranks(_save16_rank, 2, str(tmp_path))
     assert r0["refused"] is False and not (tmp_path / "refused.safetensors").exists()
     assert r0["saved"] is True
+    # The writer raises its own error; the other rank an error naming the write and rank 0's.
+    assert r0["failed"].startswith(("FileExistsError", "NotADirectoryError")), r0["failed"]
+    assert r1["failed"].startswith("CheckpointError: save_16bit_model to") and "rank 0: " in r1["failed"], r1["failed"]
     weights = load_file(str(tmp_path / "model.safetensors"))
+    assert r1["read_back"] == sorted(weights)
     assert weights.keys() == r0["state"].keys()
     for k, v in weights.items():
         assert v.dtype == torch.bfloat16 and v.shape == r0["state"][k].shape

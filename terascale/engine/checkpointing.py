@@ -85,6 +85,26 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo")
         return self._group
 
+    def write_on_ranks(self, write: Callable[[], None] | None, what: str) -> None:
+        """Run ``write`` on the ranks that pass one (the others pass None) and return on
+        every rank once all have finished, raising any rank's error on every rank.
+        Collective: a folder one rank writes is complete wherever this returns, so a rank
+        that reads it next (``from_pretrained``) never sees it half written, and a failed
+        write cannot leave the other ranks waiting in their next collective."""
+        failure: Exception | None = None
+        if write is not None:
+            try:
+                write()
+            except Exception as err:  # noqa: BLE001 - agreed over the group, raised on every rank
+                failure = err
+        error = None if failure is None else f"rank {dist.get_rank()}: {type(failure).__name__}: {failure}"
+        try:
+            _raise_if_any(error, self.coordination_group(), what)
+        except CheckpointError:
+            if failure is not None:
+                raise failure from None  # the rank that failed raises its own error, type and trace
+            raise
+
     # -- saving --------------------------------------------------------------------------------
 
     def save(

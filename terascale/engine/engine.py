@@ -450,8 +450,18 @@ class Engine(nn.Module):
                 f"{type(self.module).__name__}; use save_checkpoint and `terascale consolidate`"
             )
         state = self.full_state_dict()
-        if self.dist.rank == 0:
+
+        def write() -> None:
             self.module.save_pretrained(str(save_dir), state_dict=state, **kwargs)
+
+        self.write_on_ranks(write if self.dist.rank == 0 else None, f"save_pretrained to {save_dir}")
+
+    def write_on_ranks(self, write: Callable[[], None] | None, what: str) -> None:
+        """Run ``write`` on the ranks that pass one (rank 0 alone, or one per node; the
+        others pass None); every rank returns once all writers have finished, and raises a
+        writer's error if one failed (``what`` names the write). Collective: the files are
+        complete on return everywhere, so any rank may read them next."""
+        self._checkpointer.write_on_ranks(write, what)
 
     @property
     def last_checkpoint_stall_s(self) -> float:
@@ -492,8 +502,9 @@ class Engine(nn.Module):
         state = {
             k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.full_state_dict().items()
         }
-        if self.dist.rank == 0:
-            path = Path(save_dir) / save_filename
+        path = Path(save_dir) / save_filename
+
+        def write() -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(path.name + ".tmp")
             if path.suffix == ".safetensors":
@@ -503,6 +514,8 @@ class Engine(nn.Module):
             else:
                 torch.save(state, tmp)
             tmp.replace(path)  # atomic: a failed write leaves the previous file intact
+
+        self.write_on_ranks(write if self.dist.rank == 0 else None, f"save_16bit_model to {path}")
         return True
 
     def memory_breakdown(self) -> dict[str, int]:

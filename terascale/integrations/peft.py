@@ -74,10 +74,14 @@ def merged_state_dict(engine: Engine) -> dict[str, torch.Tensor]:
 
 def save_merged(engine: Engine, save_dir: str | Path, dtype: torch.dtype | None = None) -> None:
     """Write the base model with its LoRA adapters merged (:func:`merged_state_dict`) as a
-    Hugging Face folder on rank 0, in ``dtype`` (default fp32). Collective."""
+    Hugging Face folder on rank 0, in ``dtype`` (default fp32). Collective: every rank
+    returns once the folder is written."""
     state = merged_state_dict(engine)
     base = engine.module.get_base_model()
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    if engine.rank == 0:
+
+    def write() -> None:
         base.save_pretrained(str(save_dir), state_dict=state)
+
+    engine.write_on_ranks(write if engine.rank == 0 else None, f"save_merged to {save_dir}")

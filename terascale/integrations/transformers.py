@@ -243,8 +243,12 @@ class TerascaleTrainerMixin:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         state = self._full_model_state()  # on every rank: it is collective
-        if self.args.should_save:
+
+        def write() -> None:
             self._save(output_dir, state_dict=state)
+
+        # Every rank returns once the folder is written: a rank may load it next.
+        self.engine.write_on_ranks(write if self.args.should_save else None, f"save_model to {output_dir}")
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save")
 
