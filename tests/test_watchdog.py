@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -188,3 +189,31 @@ def test_on_nccl_a_rank_outside_torch_distributed_may_be_waiting_for_the_device(
     assert "(step 7, phase 'backward'): not in a torch.distributed call" in reports[0]
     assert "on NCCL this may be a wait for the device" in reports[0]
     assert "This rank itself is stuck" not in reports[0]
+
+
+def test_construction_does_not_wait_for_the_store_connection() -> None:
+    # The thread connects (clones the store) itself: a rank whose rank 0 has already left
+    # would otherwise retry the clone for the process-group timeout inside initialize().
+    release = threading.Event()
+    store = dist.HashStore()
+
+    class UnreachableStore:  # clone() blocks until released, like a TCPStore whose host is gone
+        def clone(self) -> dist.Store:
+            release.wait()
+            return store
+
+    timer = threading.Timer(60, release.set)  # ends the test if construction blocks
+    timer.start()
+    try:
+        wd = CollectiveWatchdog(_ctx(0, 2), timeout_s=120, poll_s=0.1, store=UnreachableStore())
+        constructed_while_blocked = not release.is_set()
+        release.set()
+        wd.progress(1, "forward")
+        deadline = time.monotonic() + 20
+        while not store.check(["hb/0"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        wd.close()
+    finally:
+        timer.cancel()
+    assert constructed_while_blocked
+    assert json.loads(store.get("hb/0"))["closed"] is True  # it published over the clone once connected

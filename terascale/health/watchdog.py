@@ -113,7 +113,11 @@ class CollectiveWatchdog:
         # async handle): a rank busy with the user's own work between steps is left alone,
         # and its peers, blocked in the next collective, name it instead.
         self._blocked_only = blocked_only
-        self._store = _private_store(store)
+        # The thread connects its own store client when it starts, not here: a clone that
+        # finds the store's host gone (rank 0 already finished) retries for the whole
+        # process-group timeout, which must not hold up the engine's construction.
+        self._given_store = store
+        self._store: dist.Store | None = None
         # (step, phase, monotonic start, wall start, thread id): written whole by
         # progress() on the training thread, only read by the watchdog thread.
         self._state: tuple[int, str, float, float, int] = (
@@ -146,6 +150,7 @@ class CollectiveWatchdog:
     # -- the thread --------------------------------------------------------------------
 
     def _run(self) -> None:
+        self._store = _private_store(self._given_store)
         while True:
             state = self._state
             stalled = time.monotonic() - state[2]
