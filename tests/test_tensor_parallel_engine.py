@@ -4,7 +4,8 @@ simulates every data-parallel rank; autoTP from the config; a user's own mpu; er
 
 The reference runs in each rank's process: the unsliced model, every data-parallel
 rank's micro-batches with that rank's RNG stream (so dropout draws the same masks),
-gradients averaged, clipped with ``clip_grad_norm_`` and stepped with ``AdamW``.
+gradients averaged, clipped with ``clip_grad_norm_`` and stepped with ``AdamW`` (or with
+terascale's ``Lamb`` on the whole tensors, whose trust ratios the sliced run must match).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Case:
     clip: float = 0.0
     dropout: float = 0.0
     offload: bool = False
+    optimizer: str = "AdamW"  # or "Lamb": whole-parameter trust ratios from tensor-parallel slices
 
 
 def _config(case: Case, dp: int) -> dict:
@@ -38,7 +40,7 @@ def _config(case: Case, dp: int) -> dict:
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": case.gas,
         "gradient_clipping": case.clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "optimizer": {"type": case.optimizer, "params": {"lr": LR, "weight_decay": WD}},
         "zero_optimization": zero,
         "steps_per_print": 1000,
     }
@@ -53,7 +55,12 @@ def _reference(case: Case, dp: int, ids: torch.Tensor, labels: torch.Tensor) -> 
     """Losses ``[step][dp rank][micro]`` and final weights of the unsliced model."""
     torch.manual_seed(0)
     model = TPNet(None, dropout=case.dropout)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    if case.optimizer == "Lamb":
+        from terascale.optim import Lamb
+
+        opt = Lamb(model.parameters(), lr=LR, weight_decay=WD)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     rng = []
     for d in range(dp):
         torch.manual_seed(100 + d)
@@ -126,6 +133,8 @@ TP2_CASES = [
     Case(stage=1, clip=0.05),
     Case(stage=2, gas=1, clip=0.05, dropout=0.1),
     Case(stage=3, clip=0.05),
+    Case(stage=0, clip=0.05, optimizer="Lamb"),
+    Case(stage=3, clip=0.05, optimizer="Lamb"),
 ]
 
 
@@ -134,7 +143,7 @@ def test_tp2_parity_with_plain_pytorch_at_every_stage() -> None:
 
 
 def test_tp2_dp2_parity_with_plain_pytorch_at_every_stage() -> None:
-    cases = [*TP2_CASES, Case(stage=3, clip=0.05, offload=True)]
+    cases = [*TP2_CASES, Case(stage=3, clip=0.05, offload=True), Case(stage=2, gas=1, clip=0.05, optimizer="Lamb")]
     _check(run_ranks(_train_rank, 4, 2, cases, timeout=400))
 
 
@@ -330,6 +339,16 @@ def _user_mpu_rank() -> dict:
             terascale.initialize(model=TPNet(mpu.tp_group), config={**_config(case, 2), **extra}, mpu=mpu_)
         except ValueError as e:
             errors.append(str(e))
+    # Lamb's own clipping would take the norm of this rank's slices only (stage 0: at 1-3 it
+    # is refused for shards already).
+    from terascale.optim import Lamb
+
+    model = TPNet(mpu.tp_group)
+    config = {k: v for k, v in _config(Case(stage=0), dp).items() if k != "optimizer"}
+    try:
+        terascale.initialize(model=model, optimizer=Lamb(model.parameters(), max_grad_norm=1.0), config=config, mpu=mpu)
+    except ValueError as e:
+        errors.append(str(e))
     return {"state": state, "ref_state": _reference(case, dp, ids, labels)[1], "errors": errors}
 
 
@@ -337,9 +356,10 @@ def test_a_users_megatron_mpu_trains_with_parity_and_mismatched_layouts_are_refu
     for rank, r in enumerate(run_ranks(_user_mpu_rank, 4, timeout=300)):
         for name, ref in r["ref_state"].items():
             torch.testing.assert_close(r["state"][name], ref, rtol=1e-4, atol=1e-5, msg=f"rank {rank}: {name}")
-        mismatch, sizes = r["errors"]
+        mismatch, sizes, lamb_clip = r["errors"]
         assert "data-parallel 4 x model(tensor)-parallel 2 x pipeline 1 = 8 ranks, but the world has 4" in mismatch
         assert "tensor-parallel size 4, but the mpu's tensor-parallel group has 2 ranks" in sizes
+        assert "Lamb(max_grad_norm=...) with tensor parallelism" in lamb_clip and "gradient_clipping" in lamb_clip
 
 
 # -- fp16: an overflow on one rank skips the step on every rank ------------------------------

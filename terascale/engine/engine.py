@@ -354,7 +354,7 @@ class Engine(nn.Module):
             multiplier = torch.tensor(1.0 / scale, device=self.device)
             if clip > 0:
                 multiplier = multiplier * clip_coefficient(clip, norm)
-            self._state.step(self.optimizer, multiplier)
+            self._state.step(self.optimizer, multiplier, self._parallel.sum_norms)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self._step_applied = True

@@ -51,9 +51,11 @@ from terascale.config import Config
 from terascale.comm.collectives import global_grad_sq_norm
 from terascale.engine.precision import MasterWeights, PrecisionPolicy
 from terascale.offload.aio import IoActivity, io_traffic
+from terascale.optim.lamb import Lamb
 from terascale.zero import ShardedState, WrapPolicy, zero_options
 from terascale.zero.flat_group import FlatLayout
 from terascale.zero.init import materialize
+from terascale.zero.optimizers import SumNorms
 
 
 class ModelState(Protocol):
@@ -67,7 +69,9 @@ class ModelState(Protocol):
 
     def sum_grads(self, params: Sequence[nn.Parameter], group: ProcessGroup) -> None: ...
 
-    def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None: ...
+    def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor, sum_norms: SumNorms | None = None) -> None:
+        """Unscale/clip the window's gradients by ``multiplier`` and step. ``sum_norms``
+        completes per-parameter norms that other ranks hold parts of (see ``SumNorms``)."""
 
     def zero_grad(self) -> None: ...
 
@@ -182,12 +186,17 @@ class ReplicatedState:
             assert grad is not None, "a tied parameter has no gradient in this window"
             comm_ops.all_reduce(grad, group=group)
 
-    def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor, sum_norms: SumNorms | None = None) -> None:
         self._finish()
         grads = self._grads()
         if grads:
             torch._foreach_mul_(grads, multiplier.to(grads[0].device))
-        optimizer.step()
+        if isinstance(optimizer, Lamb) and sum_norms is not None:
+            # Lamb steps the masters; the rows are summed by the model parameters they stand for.
+            model_of = {id(m): p for p, m in zip(self._masters.model_params, self._masters.masters)}
+            optimizer.step(sum_norms=lambda rows, masters: sum_norms(rows, [model_of[id(m)] for m in masters]))
+        else:
+            optimizer.step()
         self._masters.copy_to_model()
 
     def _finish(self) -> None:

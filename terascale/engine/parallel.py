@@ -24,7 +24,7 @@ which is why the classes below go to the model state's group plan.
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -40,6 +40,7 @@ from terascale.optim.lamb import Lamb
 from terascale.parallel.topology import Topology
 from terascale.parallel.slicing import TensorSlice, join_slices, sliced_parameters
 from terascale.parallel.ties import Tie
+from terascale.zero.optimizers import SumNorms
 
 logger = logging.getLogger("terascale")
 
@@ -67,6 +68,7 @@ class ParallelLayout:
 
     dist: DistributedContext
     slices: dict[str, TensorSlice] = field(default_factory=dict)  # model_slices(), found once
+    sliced: frozenset[int] = frozenset()  # ids of the parameters named in ``slices``
     skip: frozenset[int] = frozenset()
     ties: tuple[Tie, ...] = ()
     classes: dict[int, Hashable] = field(default_factory=dict)
@@ -88,17 +90,36 @@ class ParallelLayout:
                 classes[id(p)] = (TIED, tie.key)
                 if not tie.owner:
                     skip.add(id(p))
-        return ParallelLayout(dist_ctx, slices, frozenset(skip), ties, classes)
+        sliced = frozenset(id(p) for name, p in module.named_parameters() if name in slices)
+        return ParallelLayout(dist_ctx, slices, sliced, frozenset(skip), ties, classes)
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Refuse what would step tensor-parallel slices wrongly: LAMB's trust ratio is a
-        ratio of whole-parameter norms, which a slice does not have."""
-        if isinstance(optimizer, Lamb) and self.slices:
-            raise ValueError(
-                "LAMB with tensor parallelism: its trust ratio needs each parameter's whole norm, and "
-                "tensor-parallel ranks hold slices; use Adam/AdamW/SGD with tensor parallelism, or LAMB "
-                "with data and pipeline parallelism only"
-            )
+        """Refuse what would step tensor-parallel slices wrongly: Lamb's own gradient
+        clipping takes the norm of what this rank holds; the engine's is the model's."""
+        if isinstance(optimizer, Lamb) and self.sliced:
+            if any(g.get("max_grad_norm", 0) > 0 for g in optimizer.param_groups):
+                raise ValueError(
+                    "Lamb(max_grad_norm=...) with tensor parallelism clips by the norm of this rank's slices; "
+                    "set max_grad_norm=0 and the config's gradient_clipping, which clips by the whole model's norm"
+                )
+
+    @property
+    def sum_norms(self) -> SumNorms | None:
+        """Lamb's per-parameter norm completion for tensor-parallel slices (None without any)."""
+        return self._sum_sliced_norms if self.sliced else None
+
+    def _sum_sliced_norms(self, rows: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+        """Sum ``rows[k]`` over the tensor-parallel group where ``params[k]`` is a slice, in
+        place: each tensor-parallel rank holds its own slice of the same parameter, so the
+        summed squares are the whole parameter's. Rows of parameters every tensor-parallel
+        rank holds in full stay. Collective over the tensor-parallel group."""
+        index = [k for k, p in enumerate(params) if id(p) in self.sliced]
+        if not index:  # the same on every tensor-parallel rank: they hold the same parameters
+            return
+        at = torch.tensor(index, device=rows.device)
+        part = rows.index_select(0, at)
+        comm_ops.all_reduce(part, group=self.dist.mp_group)
+        rows.index_copy_(0, at, part)
 
     def sum_tied_grads(self, state: ModelState) -> None:
         """Sum each tied layer's gradients over its copies (collective over each tie's group)."""

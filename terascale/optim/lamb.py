@@ -143,6 +143,7 @@ class Lamb(Optimizer):
         *,
         scale: float | torch.Tensor = 1.0,
         grad_norm: float | torch.Tensor | None = None,
+        sum_norms: Callable[[torch.Tensor, Sequence[torch.Tensor]], None] | None = None,
     ) -> float | None:
         """Update every parameter that has a ``.grad``; tensors in a group are batched.
 
@@ -151,6 +152,10 @@ class Lamb(Optimizer):
             scale: the gradients are divided by this (e.g. a loss scale).
             grad_norm: the global L2 norm of the stored (scaled) gradients when the caller
                 already has it; computed here only if some group clips (max_grad_norm > 0).
+            sum_norms: for parameters that are parts of larger ones (tensor-parallel
+                slices): ``sum_norms(rows, params)`` gets ``rows[k] = (||w_k||², ||u_k||²)``
+                for each batch of ``params`` and sums, in place, those of parts over the
+                ranks holding the others (collective), so the trust ratio is the whole's.
         """
         loss = None
         if closure is not None:
@@ -180,7 +185,7 @@ class Lamb(Optimizer):
                     buckets[(p.device, p.dtype)].append(pos)
             for (device, _), positions in buckets.items():
                 params = [group["params"][i] for i in positions]
-                coeffs = self._update_bucket(group, params, divisor, device)
+                coeffs = self._update_bucket(group, params, divisor, device, sum_norms)
                 self._last_coeffs.append((group_idx, positions, coeffs))
         return loss
 
@@ -262,8 +267,8 @@ class Lamb(Optimizer):
             torch._foreach_mul_([u[a:b] for _, a, b in parts], list(step_sizes.unbind()))
             p.sub_(u)
 
-    def _update_bucket(self, group: dict[str, Any], params: list[torch.Tensor],
-                       divisor: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    def _update_bucket(self, group: dict[str, Any], params: list[torch.Tensor], divisor: float | torch.Tensor,
+                       device: torch.device, sum_norms: Callable | None = None) -> torch.Tensor:
         """Apply the LAMB update to same-device, same-dtype ``params``; return the ratios."""
         beta1, beta2 = group["betas"]
         exp_avgs, exp_avg_sqs, steps = [], [], []
@@ -311,6 +316,10 @@ class Lamb(Optimizer):
 
         w_norm = torch.stack(torch._foreach_norm(params))
         u_norm = torch.stack(torch._foreach_norm(update))
+        if sum_norms is not None:
+            rows = torch.stack([w_norm, u_norm], dim=1).to(torch.float32).square()
+            sum_norms(rows, params)
+            w_norm, u_norm = (col.to(w_norm.dtype) for col in rows.sqrt().unbind(1))
         ratio = (w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"])
         coeffs = torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
         # lr may be a tensor (capturable schedules); folding it into the per-tensor

@@ -11,7 +11,9 @@ columns, or a norm of all of it) does not:
   (:class:`Segments`): pass 1 updates the moments and adds each piece's squared partial
   norms of ``w`` and of the update to its parameter's row, one all-reduce sums the rows
   over the ranks, pass 2 applies the whole parameter's trust ratio. The result is the
-  trust ratio of stage 0 (DeepSpeed instead computes it per partition);
+  trust ratio of stage 0 (DeepSpeed instead computes it per partition). A tensor-parallel
+  slice is a part of its parameter too: the engine's ``SumNorms`` (the model parallel
+  layout's) then sums the slices' rows over the tensor-parallel group, at every stage;
 - an optimizer known to need whole tensors (Adafactor, Shampoo, Muon, LARS/LAMB of other
   libraries, ...) or declaring ``needs_whole_parameters = True`` is refused, by name;
 - torch's elementwise optimizers are accepted; any other class needs DeepSpeed's
@@ -20,7 +22,7 @@ columns, or a norm of all of it) does not:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +32,12 @@ _ELEMENTWISE = frozenset({"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax"
 # Class names (lower-case, any base class) of updates that need the whole tensor.
 _WHOLE_TENSOR = ("adafactor", "shampoo", "muon", "soap", "galore", "lars", "lamb", "adammini", "adam_mini",
                  "lomo", "adalomo", "sm3", "kron", "psgd", "sparseadam")  # fmt: skip
+
+# ``sum_norms(rows, params)``: ``rows[k]`` holds squared norms of what this rank has of
+# ``params[k]`` (a model parameter, in the same order on every rank that calls it); the
+# call sums, in place, the rows of parameters other ranks hold parts of, so each becomes
+# its whole parameter's. Collective over those ranks.
+SumNorms = Callable[[torch.Tensor, Sequence[torch.Tensor]], None]
 
 
 def _class_names(optimizer: torch.optim.Optimizer) -> list[str]:

@@ -47,7 +47,7 @@ from terascale.zero.host import (
     reuse_large_allocations,
 )
 from terascale.zero.masters import NVME_RUN_SPLIT_NUMEL, RUN_SPLIT_NUMEL, ShardedMasters
-from terascale.zero.optimizers import Segments, check_shardable
+from terascale.zero.optimizers import Segments, SumNorms, check_shardable
 from terascale.zero.schedule import ParamSchedule, SchedulePolicy
 from terascale.zero.state_io import sharded_slices
 from terascale.zero.wrap import GroupPlan, WrapPolicy, plan_groups
@@ -194,6 +194,7 @@ class ShardedState:
         # Trainable parameters numbered in module order, the same on every rank: the rows of
         # the per-parameter norms of [Note: optimizers on shards].
         trainable = [p for p in module.parameters() if id(p) in opt_group_of]
+        self._trainable = trainable
         self._param_number = {id(p): k for k, p in enumerate(trainable)}
         self._param_opt_group = [opt_group_of[id(p)] for p in trainable]
         self.masters, self.swapper = self._place_masters(options.offload_optimizer)
@@ -330,11 +331,12 @@ class ShardedState:
     def _groups_of(self, ids: Collection[int]) -> set[int]:
         return {self._group_of[i] for i in ids if i in self._group_of}
 
-    def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor) -> None:
-        """Unscale/clip by ``multiplier``, step each sub-group, refresh persistent groups."""
+    def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor, sum_norms: SumNorms | None = None) -> None:
+        """Unscale/clip by ``multiplier``, step each sub-group, refresh persistent groups.
+        ``sum_norms`` completes Lamb's per-parameter norms over other ranks' slices."""
         with self._run_grads() as grads_of:
             if isinstance(optimizer, Lamb):
-                self._step_by_parameter_norms(optimizer, multiplier, grads_of)
+                self._step_by_parameter_norms(optimizer, multiplier, grads_of, sum_norms)
             else:
                 self._step_runs(optimizer, multiplier, grads_of)
 
@@ -386,11 +388,16 @@ class ShardedState:
         regathers.finish()
 
     def _step_by_parameter_norms(
-        self, optimizer: Lamb, multiplier: torch.Tensor, grads_of: Callable[[list[int]], list[torch.Tensor]]
+        self,
+        optimizer: Lamb,
+        multiplier: torch.Tensor,
+        grads_of: Callable[[list[int]], list[torch.Tensor]],
+        sum_norms: SumNorms | None,
     ) -> None:
         """The two-pass step of ``[Note: optimizers on shards]``: moments and partial norms
-        run by run, one all-reduce of the norms, then the updates with whole-parameter
-        trust ratios, each group all-gathered as its last run is done."""
+        run by run, one all-reduce of the norms (and ``sum_norms`` over tensor-parallel
+        slices), then the updates with whole-parameter trust ratios, each group
+        all-gathered as its last run is done."""
         segments = self._segments
         masters = self.masters.masters
         write = None if self.params is None else self.params.write_piece
@@ -402,6 +409,8 @@ class ShardedState:
             with self._masters_with_grads(run, grads_of(run), multiplier):
                 optimizer.accumulate_norms([masters[i] for i in run], [segments.of[i] for i in run], rows)
         segments.reduce(rows)
+        if sum_norms is not None:
+            sum_norms(rows, self._trainable)
         regathers = _Regathers(self.groups, self.options.allgather_bucket_numel)
         for k, run in enumerate(runs):
             with ops.named_range("terascale::optimizer run", k):
