@@ -16,6 +16,11 @@ worker is forked after ``import torch``. Each rank still gets a fresh interprete
 for everything the test does: it starts from the server's imports, not from the tests'.
 The environment is the test process's when the server started, plus the torchrun
 variables set below; a test needing more for its ranks passes it as an argument.
+
+The rendezvous store is hosted by ``run_ranks`` itself, as torchrun's agent hosts it
+(``TORCHELASTIC_USE_AGENT_STORE``), not by rank 0: a rank 0 that finishes first would
+otherwise take the store with it while a peer still uses it (creating a group of its
+own, say), which fast-starting ranks made a real race.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ def _entry(
         LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",  # the store is run_ranks' (see the note above)
         OMP_NUM_THREADS="1",
     )
     import torch
@@ -82,7 +88,9 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts, on the first call
     results: mp.Queue = ctx.Queue()
-    port = free_port()
+    # Hosted here until every rank has exited; port 0: the system picks a free one.
+    store = torch.distributed.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [
         ctx.Process(target=_entry, args=(fn, rank, world_size, port, results, args, device), daemon=True)
         for rank in range(world_size)
@@ -116,6 +124,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0)
             p.join(timeout=5 if not errors else 1)
             if p.is_alive():
                 p.kill()
+        del store  # only now: the ranks have stopped using it
     if errors:
         raise AssertionError(f"{fn.__name__} failed:\n" + "\n".join(errors))
     return [out[r] for r in range(world_size)]
