@@ -25,6 +25,7 @@ Stage 0 is :class:`ReplicatedState` (below); stages 1-3 are
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Collection, Hashable, Iterator, Mapping, Sequence
 from typing import Protocol
 
@@ -193,11 +194,16 @@ class ReplicatedState:
             torch._foreach_mul_(grads, multiplier.to(grads[0].device))
         if isinstance(optimizer, Lamb) and sum_norms is not None:
             # Lamb steps the masters; the rows are summed by the model parameters they stand for.
-            model_of = {id(m): p for p, m in zip(self._masters.model_params, self._masters.masters)}
+            model_of = self._model_param_of_master
             optimizer.step(sum_norms=lambda rows, masters: sum_norms(rows, [model_of[id(m)] for m in masters]))
         else:
             optimizer.step()
         self._masters.copy_to_model()
+
+    @functools.cached_property
+    def _model_param_of_master(self) -> dict[int, nn.Parameter]:
+        """id of a master -> its model parameter (fixed after construction)."""
+        return {id(m): p for p, m in zip(self._masters.model_params, self._masters.masters)}
 
     def _finish(self) -> None:
         if not self._finished:

@@ -96,12 +96,11 @@ class ParallelLayout:
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse what would step tensor-parallel slices wrongly: Lamb's own gradient
         clipping takes the norm of what this rank holds; the engine's is the model's."""
-        if isinstance(optimizer, Lamb) and self.sliced:
-            if any(g.get("max_grad_norm", 0) > 0 for g in optimizer.param_groups):
-                raise ValueError(
-                    "Lamb(max_grad_norm=...) with tensor parallelism clips by the norm of this rank's slices; "
-                    "set max_grad_norm=0 and the config's gradient_clipping, which clips by the whole model's norm"
-                )
+        if isinstance(optimizer, Lamb) and self.sliced and optimizer.clips:
+            raise ValueError(
+                "Lamb(max_grad_norm=...) with tensor parallelism clips by the norm of this rank's slices; "
+                "set max_grad_norm=0 and the config's gradient_clipping, which clips by the whole model's norm"
+            )
 
     @property
     def sum_norms(self) -> SumNorms | None:

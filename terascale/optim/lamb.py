@@ -115,6 +115,12 @@ class Lamb(Optimizer):
         # On pieces of parameters (ZeRO stages 1-3): the ratio of each whole parameter.
         self._piece_coeffs: torch.Tensor | None = None
 
+    @property
+    def clips(self) -> bool:
+        """Whether some group clips by ``max_grad_norm``: by the norm of the gradients this
+        optimizer is given, which is the model's only when it steps whole parameters."""
+        return any(g["max_grad_norm"] > 0 for g in self.param_groups)
+
     def get_lamb_coeffs(self) -> list[float]:
         """Trust ratios of the last step, in param-group then parameter order (host sync);
         after a step on pieces (ZeRO stages 1-3), one per whole parameter in the order of the
@@ -167,7 +173,7 @@ class Lamb(Optimizer):
             if grad.is_sparse:
                 raise ValueError("Lamb does not support sparse gradients; use dense gradients")
         norm: torch.Tensor | None = None
-        if any(g["max_grad_norm"] > 0 for g in self.param_groups) and all_grads:
+        if self.clips and all_grads:
             # One global norm shared by every clipping group, computed once.
             if grad_norm is None:
                 norm = _global_norm(all_grads)

@@ -51,7 +51,7 @@ def check_shardable(optimizer: torch.optim.Optimizer, stage: int, allow_untested
 
     name = type(optimizer).__name__
     if isinstance(optimizer, Lamb):
-        if any(g.get("max_grad_norm", 0) > 0 for g in optimizer.param_groups):
+        if optimizer.clips:
             raise ValueError(
                 "Lamb(max_grad_norm=...) clips inside the optimizer, which at ZeRO stage "
                 f"{stage} sees shards only; set max_grad_norm=0 and the config's gradient_clipping instead"
