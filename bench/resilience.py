@@ -11,7 +11,7 @@ Every job runs 2 ranks (gloo, ``OMP_NUM_THREADS=1``) under ``terascale run --npr
 by default) at ZeRO stage 2 with AdamW on synthetic batches derived from the step number,
 and appends one JSON line per event to ``OUT/rank<R>.jsonl``: its start (process creation
 time, see ``process_start_time``; the end of ``terascale.initialize``, which includes the
-auto-resume load; ``engine._resilience.resumed_in_s`` and the step resumed at), every
+auto-resume load; ``engine.resumed_in_s`` and the step resumed at), every
 optimizer step's end (``time.time()``: all ranks are on this machine, so the clocks
 agree), the kill, and the surviving rank's error.
 
@@ -146,7 +146,7 @@ def worker(argv: list[str]) -> None:
     init_end = time.time()
     resumed_step = engine.global_steps
     record(event="start", proc_start=proc_start, imported=imported, built=built, init_end=init_end,
-           load_s=engine._resilience.resumed_in_s, resumed_step=resumed_step,
+           load_s=engine.resumed_in_s, resumed_step=resumed_step,
            params=sum(p.numel() for p in model.parameters()))
     while engine.global_steps < a.steps:
         step = engine.global_steps + 1
@@ -191,20 +191,24 @@ def process_start_time() -> float:
 def probe_non_finite(engine: object, xy: tuple, mse: object, record: object, repeats: int = 20) -> None:
     """Time what ``health.non_finite`` adds to a step, on a window with gradients: the global
     gradient norm (computed only for it when clipping and fp16 are off; every rank's loss flag
-    rides on its all-reduce) and the verdict (``Resilience.check_finite``: no collective for a
-    finite norm). Medians of ``repeats``."""
+    rides on its all-reduce) and the verdict (for a finite norm: the finiteness test and the
+    policy's verdict, no collective; ``terascale.health.non_finite``). Medians of ``repeats``,
+    each on a fresh window (the engine computes the norm once per window)."""
     import torch
 
+    from terascale.health.non_finite import NonFinitePolicy
+
+    policy = NonFinitePolicy("skip", 3)
     x, y = xy
-    engine.backward(mse(engine(x), y))
     norm_s, check_s = [], []
     for _ in range(repeats):
-        engine._window_norm = None  # the norm is cached per window: compute it again
+        engine.zero_grad()
+        engine.backward(mse(engine(x), y))
         t0 = time.perf_counter()
         norm = engine.window_grad_norm()
         float(norm)
         t1 = time.perf_counter()
-        engine._resilience.check_finite(norm)
+        assert bool(torch.isfinite(norm)) and policy.verdict(None) == "ok"
         norm_s.append(t1 - t0)
         check_s.append(time.perf_counter() - t1)
     torch.distributed.barrier()

@@ -98,7 +98,7 @@ def worker(args: argparse.Namespace) -> None:
     }
     engine, *_ = terascale.initialize(model=model, config=config)
     rank = engine.dist.dp_rank
-    stats = engine._state.comm_stats if int(stage) == 0 else engine._state.grads.comm
+    stats = engine.model_state.comm_stats if int(stage) == 0 else engine.model_state.grads.comm
 
     # Distinct rows per global batch (a permutation's prefix), the same on every rank.
     g = torch.Generator().manual_seed(1)

@@ -96,7 +96,7 @@ def worker(args: argparse.Namespace) -> None:
         },
     }  # fmt: skip
     engine, *_ = terascale.initialize(model=layer, config=config)
-    state_box.append(engine._state)
+    state_box.append(engine.model_state)
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.tokens, d, generator=g)

@@ -19,14 +19,15 @@ _PUBLIC = {
     "ConfigError": "terascale.config",
     "add_config_arguments": "terascale.config",
     "Engine": "terascale.engine",
-    "initialize": "terascale.engine",
+    "initialize": "terascale.entry",
     "estimate_memory": "terascale.zero.estimate",
 }
 __all__ = sorted(_PUBLIC)
 
 if TYPE_CHECKING:
     from terascale.config import Config, ConfigError, add_config_arguments
-    from terascale.engine import Engine, initialize
+    from terascale.engine import Engine
+    from terascale.entry import initialize
     from terascale.zero.estimate import estimate_memory
 
 

@@ -41,7 +41,7 @@ def _parity_rank(stage: int, cases: list[tuple[str, str, int]], nvme: str) -> li
         engine, *_ = terascale.initialize(model=make_net(), config=config(world, gas, stage, activation))
         losses = train(engine, world, rank, gas)
         weights = engine.full_state_dict()
-        gathers = engine._state.schedule.gathers if stage == 3 else 0
+        gathers = engine.model_state.schedule.gathers if stage == 3 else 0
         engine.destroy()
         what = f"stage={stage} policy={policy} tier={tier} gas={gas} rank={rank}"
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0, msg=lambda m: f"{what}: {m}")
@@ -83,7 +83,7 @@ def _user_checkpoint_rank(cases: list[tuple[int, bool, str | None, str]]) -> dic
         losses = train(engine, world, rank, gas)
         weights = engine.full_state_dict()
         if stage == 3:
-            gathers[(offload, mode, policy)] = engine._state.schedule.gathers
+            gathers[(offload, mode, policy)] = engine.model_state.schedule.gathers
         engine.destroy()
         what = f"stage={stage} offload={offload} mode={mode} policy={policy} rank={rank}"
         ref_losses, ref_weights = refs[gas]

@@ -21,6 +21,7 @@ from terascale.offload import aio as aio_module
 from terascale.offload import probe
 from terascale.offload.host_buffers import HUGE_PAGE, on_huge_pages
 from terascale.offload.kernel_aio import open_queue
+from terascale.offload.probe import aio_options
 
 BACKENDS = ["threads"] + (["kernel"] if open_queue(1) is not None else [])
 
@@ -120,7 +121,7 @@ def test_options_are_checked_and_read_from_the_config():
     from terascale.config import Config
 
     cfg = Config.load({"train_batch_size": 1, "aio": {"block_size": 262144, "queue_depth": 4, "intra_op_parallelism": 2}})
-    opts = AioOptions.from_config(cfg.aio)
+    opts = aio_options(cfg.aio)
     assert (opts.block_size, opts.queue_depth, opts.thread_count) == (262144, 4, 2)
     with pytest.raises(ValueError, match="multiple of 4096"):
         AioOptions(block_size=1000)
@@ -286,16 +287,16 @@ def test_config_auto_values_probe_and_given_values_do_not(tmp_path, monkeypatch)
                         {"block_size": 1 << 20, "queue_depth": 4, "thread_count": 1, "backend": "threads", **given})  # fmt: skip
     whole = Config.load({"train_batch_size": 1, "aio": "auto"})
     assert whole.aio.block_size == "auto" and whole.aio.backend == "auto" and not whole.auto_keys
-    assert AioOptions.from_config(whole.aio, tmp_path) == AioOptions(block_size=1 << 20, queue_depth=4)
+    assert aio_options(whole.aio, tmp_path) == AioOptions(block_size=1 << 20, queue_depth=4)
     some = Config.load({"train_batch_size": 1, "aio": {"block_size": "2e6", "queue_depth": "auto"}})
     assert some.aio.block_size == 2_000_000 and some.aio.queue_depth == "auto"
     given = Config.load({"train_batch_size": 1, "aio": {"block_size": 262144, "queue_depth": 32, "backend": "kernel"}})
     calls.clear()
-    assert AioOptions.from_config(given.aio, tmp_path).block_size == 262144
-    assert AioOptions.from_config(given.aio, tmp_path).backend == "kernel"
+    assert aio_options(given.aio, tmp_path).block_size == 262144
+    assert aio_options(given.aio, tmp_path).backend == "kernel"
     assert calls == []  # nothing measured when the config gives the values
     monkeypatch.undo()
-    assert AioOptions.from_config(whole.aio, None) == AioOptions()  # no NVMe path: the defaults
+    assert aio_options(whole.aio, None) == AioOptions()  # no NVMe path: the defaults
     with pytest.raises(Exception, match="block_size"):
         Config.load({"train_batch_size": 1, "aio": {"block_size": "big"}})
 

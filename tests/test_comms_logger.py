@@ -88,13 +88,13 @@ def _step(engine, logger, step: int) -> None:
 def _volumes(model, engine) -> dict:
     """Ψ from a fresh copy of the model (at stage 3 ``model``'s own parameters are shards);
     per group the elements, padded elements and shard elements of its layout."""
-    groups = engine._state.groups
+    groups = engine.model_state.groups
     return {
         "psi": sum(p.numel() for p in _model().parameters()),
         "numel": [fg.layout.numel for fg in groups],
         "padded": [fg.layout.padded_numel for fg in groups],
         "shard": [fg.layout.shard_numel for fg in groups],
-        "root": [plan.module_name == "" for plan in engine._state.plans],
+        "root": [plan.module_name == "" for plan in engine.model_state.plans],
         "world": engine.world_size,
     }
 
@@ -189,7 +189,7 @@ def _stage3_rank() -> dict:
 
     model, engine = _engine(3)
     out: dict = {"volumes": _volumes(model, engine)}
-    schedule = engine._state.schedule
+    schedule = engine.model_state.schedule
     logger = CommsLogger(CommsLoggerConfig(enabled=True), engine.dist.rank)
     out["steps"], out["gathers"] = [], []
     for step in range(1, 4):

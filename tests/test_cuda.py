@@ -230,7 +230,7 @@ def _resilience_on_cuda(save_dir: str) -> tuple[int, int, list[str], float]:
             hook.remove()
         engine.step()
     engine.wait_for_checkpoint()
-    report = engine._resilience._straggler.last
+    report = engine.straggler_report
     return engine.global_steps, engine.skipped_steps, sorted(p.name for p in Path(save_dir).iterdir()), report.compute_s[0]
 
 

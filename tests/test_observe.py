@@ -140,9 +140,9 @@ def _profile_at_stage(out_dir: str, stage: int, checkpointing: bool) -> list[tup
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    profile = engine._observe.last_profile
+    profile = engine.flops_profiler
     rows = [(p.name, p.params, p.fwd_flops, p.bwd_flops) for p in profile.profiles()]
-    measured = engine._observe.flops_per_step
+    measured = float(profile.total_flops())
     engine.destroy()
     return rows, measured, losses
 

@@ -50,14 +50,14 @@ def _swap_rank(path: str, layers: int = 6) -> dict:
     read_in_backward = []
     for _ in range(3):
         loss = engine(x).float().square().mean()
-        engine._state.swapper.writes.drain()  # the step's last writes (they finish under forward)
+        engine.model_state.swapper.writes.drain()  # the step's last writes (they finish under forward)
         before = engine.offload_io()["read"]
         engine.backward(loss)
         read_in_backward.append(engine.offload_io()["read"] - before)
         engine.step()
     mem = engine.memory_breakdown()
-    files = sorted(p.name for p in engine._state.swapper.directory.path.glob("*.swp"))
-    grads = engine._state.grads.swapper
+    files = sorted(p.name for p in engine.model_state.swapper.directory.path.glob("*.swp"))
+    grads = engine.model_state.grads.swapper
     grad_files = [] if grads is None else sorted(p.name for p in grads.directory.path.glob("*.swp"))
     engine.destroy()
     return {"mem": mem, "files": files, "grad_files": grad_files, "read_in_backward": read_in_backward}
@@ -240,9 +240,9 @@ def _param_swap_rank(path: str) -> dict:
     for _ in range(3):
         engine.backward(engine(x).square().mean())
         engine.step()
-    home = engine._state.params
+    home = engine.model_state.params
     out = {"mem": engine.memory_breakdown(), "fetches": home.fetches, "ahead": home.fetches_ahead,
-           "staged": home.staged_gathers, "gathers": engine._state.schedule.gathers,
+           "staged": home.staged_gathers, "gathers": engine.model_state.schedule.gathers,
            "files": len(list(home.directory.path.glob("*.swp")))}  # fmt: skip
     engine.destroy()
     return out

@@ -518,8 +518,30 @@ def _resume_on_one_stage(path: str) -> None:
     two.destroy()
 
 
+def _refusals() -> None:
+    """A PipelineModule gets a PipelineEngine, which refuses a batch inside an open window
+    (direct forward/backward/step: ``_module_checks``) and counts the window it ran."""
+    import terascale
+    from terascale.parallel import Topology
+    from terascale.pipe import PipelineEngine, PipelineModule
+
+    case = Case(gas=2, steps=1)
+    model = PipelineModule(make_layers("mlp"), topology=Topology(pp=2), loss_fn=F.cross_entropy, partition_method="uniform")
+    engine, *_ = terascale.initialize(model=model, config=config(case, 1))
+    assert isinstance(engine, PipelineEngine)
+    (batch,), _ = data(case, 1)
+    engine.set_gradient_accumulation_boundary(True)
+    with pytest.raises(ValueError, match="finish that window first"):
+        engine.train_batch(iter([mb[0] for mb in batch]))
+    engine.set_gradient_accumulation_boundary(None)
+    engine.train_batch(iter([mb[0] for mb in batch]))
+    assert (engine.global_steps, engine.micro_steps) == (1, 2)
+    engine.destroy()
+
+
 def _two_stages(cases: list[Case], path: str) -> list[dict]:
     _module_checks()
+    _refusals()
     _resume_on_one_stage(path)
     return train_rank(2, cases)
 
@@ -624,7 +646,7 @@ def _zero_scopes(swap_dir: str) -> list[dict]:
         if nvme:  # gradient shards on disk: their norms are taken at each group's last reduction
             cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": swap_dir}
         engine, *_ = terascale.initialize(model=model, config=cfg, wrap_policy=policy)
-        grads = engine._state.grads
+        grads = engine.model_state.grads
         log: list[dict] = []  # per backward: the groups it touched and those it reduced
         prepare, launch, post = grads.prepare_backward, grads._launch, grads.post_backward
 

@@ -125,7 +125,7 @@ def train_rank(cases: list[tuple]) -> list:
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.item())
-        state = engine._state
+        state = engine.model_state
         stats: CommStats = state.comm_stats if stage == 0 else state.grads.comm
         out.append((losses, engine.full_state_dict(), stats.sparse_bytes, stats.dense_bytes))
         engine.destroy()

@@ -142,7 +142,7 @@ def _zero3_tiled_rank() -> float:
                               "stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 0},
     }  # fmt: skip
     engine, *_ = terascale.initialize(model=model, config=config)
-    state = engine._state
+    state = engine.model_state
     tiles = {id(t) for row in model.big.tiles for t in row}
     tile_groups = [fg for plan, fg in zip(state.plans, state.groups) if id(plan.module) in tiles]
     assert len(tile_groups) == 12

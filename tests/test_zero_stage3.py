@@ -48,7 +48,7 @@ def _schedule_rank(reuse: int) -> dict:
     engine, *_ = terascale.initialize(
         model=model, config=_config(stage3_max_reuse_distance=reuse), wrap_policy=_linear_groups()
     )
-    schedule = engine._state.schedule
+    schedule = engine.model_state.schedule
     sharded_at_start = all(p.numel() == 0 for p in model.parameters())
     gathers = []
     for _ in range(3):
@@ -63,8 +63,8 @@ def _schedule_rank(reuse: int) -> dict:
         "gathers": gathers,
         "prefetches": schedule.prefetches,
         "memory": engine.memory_breakdown(),
-        "numel": sum(fg.numel for fg in engine._state.groups),
-        "kept": (engine._state.full_buffers.reused, engine._state.full_buffers.idle_bytes),
+        "numel": sum(fg.numel for fg in engine.model_state.groups),
+        "kept": (engine.model_state.full_buffers.reused, engine.model_state.full_buffers.idle_bytes),
     }
     # A different code path (the 'rare' branch): the trace no longer matches; no hang, re-trace.
     _train(engine, 2, use_rare=lambda s: True)
@@ -325,8 +325,8 @@ def _held_gradients_rank() -> int:
     # from every layer, whose last gradient (inp.bias) arrives at the end of backward.
     config = _config(stage3_param_persistence_threshold=100, reduce_bucket_size=1)
     engine, *_ = terascale.initialize(model=model, config=config, wrap_policy=_linear_groups())
-    grads = engine._state.grads
-    assert any(fg.persistent for fg in engine._state.groups)
+    grads = engine.model_state.grads
+    assert any(fg.persistent for fg in engine.model_state.groups)
     held = []
 
     def count(_p) -> None:

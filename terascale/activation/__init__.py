@@ -20,6 +20,7 @@ from terascale.activation.policy import POLICIES, CheckpointedBlocks, select_blo
 from terascale.activation.rng import RNGStatesTracker
 from terascale.activation.store import InputStore, StoreOptions
 from terascale.offload.aio import AioOptions
+from terascale.offload.probe import aio_options
 
 logger = logging.getLogger("terascale")
 
@@ -32,7 +33,7 @@ def store_options(section: Any, aio: Any = None) -> StoreOptions:
         contiguous=section.contiguous_memory_optimization,
         number_checkpoints=section.number_checkpoints,
         nvme_path=section.nvme_path,
-        aio=AioOptions.from_config(aio, section.nvme_path) if aio is not None else AioOptions(),
+        aio=aio_options(aio, section.nvme_path) if aio is not None else AioOptions(),
     )
 
 

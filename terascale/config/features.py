@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from terascale.config.schema import Config
+# A validated terascale.config.Config, read by attribute. This table is data the schema
+# consults (Config.unbuilt_settings), so it names the type without importing it.
+Config = Any
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from terascale.config.batch import BatchSizes, resolve_batch_sizes
 from terascale.config.compat import upgrade
 from terascale.config.elasticity import ElasticityConfig, resolve_elastic_batch
 from terascale.config.errors import ConfigError, from_validation_error, key_names, submodel
+from terascale.config.features import unbuilt_settings
 from terascale.config.health import HealthConfig
 from terascale.config.parallel import PipelineConfig, TensorParallelConfig
 from terascale.config.profiling import CommsLoggerConfig, FlopsProfilerConfig, TraceConfig
@@ -471,8 +472,6 @@ class Config(Section):
 
     def unbuilt_settings(self) -> list[str]:
         """One line per setting that asks for a feature this version does not provide."""
-        from terascale.config.features import unbuilt_settings
-
         return unbuilt_settings(self)
 
     def require_built(self) -> Config:

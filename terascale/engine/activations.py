@@ -81,7 +81,9 @@ class EngineActivations:
         }
 
     def report(self) -> list[dict[str, Any]]:
-        """Per block: saved bytes of the last measured forward and the checkpointing figures."""
+        """Per block of the last forward/backward: bytes saved for backward (when
+        measured), checkpoint inputs, and with ``profile`` forward, recompute, offload and
+        fetch-wait times and the recompute's output bytes."""
         rows = {r["block"]: r for r in self.checkpointing.report()}
         if self.meter is not None:
             for name, nbytes in self.meter.by_block.items():

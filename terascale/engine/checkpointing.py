@@ -1,8 +1,9 @@
 """``engine.save_checkpoint`` / ``engine.load_checkpoint``: the engine's side of checkpoints.
 
 The model state provides its tensors as spans (``[Note: logical checkpoints]``); this
-module adds what only the engine knows (step counters, loss scaler, LR scheduler,
-optimizer options, sampler position, every rank's RNG, the config, the client's state),
+module adds the rest of the training state (the :class:`TrainState` counters, loss
+scaler, LR scheduler, optimizer options, data position, every rank's RNG, the config,
+the client's state),
 and drives the save protocol of ``[Note: atomic checkpoints]`` over a dedicated gloo
 group, which the background thread of an asynchronous save can use while training goes
 on over the others.
@@ -19,11 +20,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from terascale.checkpoint.directory import CheckpointDirectory, copy_durably, validate_tag
 from terascale.checkpoint.manifest import MANIFEST, CheckpointError, Manifest, dtype_name, parse_dtype
@@ -31,12 +33,15 @@ from terascale.checkpoint.reader import CheckpointReader
 from terascale.checkpoint.spans import BUFFER, OPTIM, OptimKey, ParamInfo, Slice, SliceMode, Span
 from terascale.checkpoint.writer import shard_file_name, snapshot, staging_pool, write_shard
 from terascale.comm import ops as comm_ops
+from terascale.config import Config
 from terascale.engine.checkpoint_layout import CheckpointLayout
+from terascale.engine.data import DataPosition
+from terascale.engine.loss_scaler import LossScaler
+from terascale.engine.model_state import ModelState
+from terascale.engine.parallel import ParallelLayout
+from terascale.engine.train_state import TrainState
 from terascale.offload.aio import AioOptions, AsyncIO
 from terascale.offload.swap import BufferPool
-
-if TYPE_CHECKING:
-    from terascale.engine.engine import Engine
 
 logger = logging.getLogger("terascale")
 
@@ -48,10 +53,25 @@ _WRITE_OPTIONS = AioOptions()
 
 
 class Checkpointer:
-    """Saves and loads ``engine``'s checkpoints; at most one asynchronous save in flight."""
+    """Saves and loads the training state of ``module``: its ``model_state`` (as spans, laid
+    out by ``layout``), ``optimizer``, ``train_state``, ``loss_scaler``, ``lr_scheduler``
+    and ``data`` position. At most one asynchronous save in flight."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(
+        self,
+        module: nn.Module,
+        model_state: ModelState,
+        layout: ParallelLayout,
+        optimizer: torch.optim.Optimizer,
+        config: Config,
+        train_state: TrainState,
+        *,
+        loss_scaler: LossScaler,
+        lr_scheduler: Any,
+        data: DataPosition,
+    ) -> None:
+        self._module, self._state, self._optimizer, self._config = module, model_state, optimizer, config
+        self._train, self._loss_scaler, self._scheduler, self._data = train_state, loss_scaler, lr_scheduler, data
         self._group: dist.ProcessGroup | None = None
         self._thread: threading.Thread | None = None
         self._job: _SaveJob | None = None  # the background save in flight, if any
@@ -61,7 +81,7 @@ class Checkpointer:
         # How long the last save kept training waiting: the save call, plus (asynchronous
         # saves) the optimizer step's wait for the write.
         self.last_stall_s = 0.0
-        self.layout = CheckpointLayout(engine.module, engine._state, engine.dist, engine._parallel)
+        self.layout = CheckpointLayout(module, model_state, layout.dist, layout)
 
     def _writer(self) -> tuple[AsyncIO, BufferPool]:
         # Kept from save to save: a fresh pool's first touch of its pages costs as much as
@@ -117,9 +137,15 @@ class Checkpointer:
         asynchronous: bool | None = None,
         mirror_to: str | Path | None = None,
     ) -> str:
-        """Write a checkpoint of every rank's state to ``save_dir/<tag>``; returns the tag.
+        """Write a checkpoint of every rank's state to ``save_dir/<tag>`` (default tag
+        ``global_step<N>``) and, with ``save_latest``, point ``save_dir/latest`` at it;
+        returns the tag.
 
-        Collective. Asynchronous (``asynchronous``, default ``checkpoint.async``): the call
+        Collective. Each rank writes only its own state, as spans of named parameters, so
+        the checkpoint loads on any number of ranks, at any ZeRO stage, offloaded or not.
+        The write is atomic: a failure or crash leaves earlier checkpoints and ``latest``
+        as they were. ``client_state`` (any picklable dict) comes back from :meth:`load`.
+        Asynchronous (``asynchronous``, default ``checkpoint.async``): the call
         only captures what may change (see ``[Note: asynchronous saves]``) and a background
         thread does the rest, collectives included; the next optimizer step waits for the
         write, and the next save, load or ``wait()`` raises its error if it failed.
@@ -127,18 +153,18 @@ class Checkpointer:
         (``[Note: node-local checkpoints]``), in the background without holding training.
         """
         started = time.perf_counter()
-        engine = self.engine
+        train = self._train
         self.wait()
-        tag = validate_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
-        if not engine.is_gradient_accumulation_boundary() and engine.micro_steps % engine.gradient_accumulation_steps:
+        tag = validate_tag(str(tag) if tag is not None else f"global_step{train.global_steps}")
+        if not train.is_boundary() and train.micro_steps % train.gradient_accumulation_steps:
             logger.warning("saving checkpoint '%s' inside an accumulation window: its gradients are not saved", tag)
         rank, world = dist.get_rank(), dist.get_world_size()
         group = self.coordination_group()
         directory = CheckpointDirectory(save_dir)
-        state, optimizer = engine._state, engine.optimizer
+        state, optimizer, module = self._state, self._optimizer, self._module
         layout = self.layout
         described = [s for chunk in state.state_slices(optimizer, SliceMode.DESCRIBE) for s in layout.saved(chunk)]
-        buffers = _buffer_slices(engine) if layout.saves_buffers else []
+        buffers = _buffer_slices(module) if layout.saves_buffers else []
         described += buffers
         client = None
         if rank == 0 and client_state is not None:
@@ -146,20 +172,20 @@ class Checkpointer:
             torch.save(client_state, client)  # now: the caller may change the dict afterwards
         job = _SaveJob(
             directory=directory, tag=tag, save_latest=save_latest, group=group, described=described,
-            info=_RankInfo(rank, world, _rng_state(), _optim_keys(described), layout.params(), _aliases(engine),
-                           _buffer_infos(engine) if layout.saves_buffers else {}),
+            info=_RankInfo(rank, world, _rng_state(), _optim_keys(described), layout.params(), _aliases(module),
+                           _buffer_infos(module) if layout.saves_buffers else {}),
             manifest=self._manifest(tag) if rank == 0 else None,
             client_state=None if client is None else client.getvalue(),
             mirror=None if mirror_to is None else CheckpointDirectory(mirror_to),
         )  # fmt: skip
-        if engine.config.checkpoint.async_save if asynchronous is None else asynchronous:
+        if self._config.checkpoint.async_save if asynchronous is None else asynchronous:
             # [Note: asynchronous saves] Parameters, masters and optimizer state change
             # only in the optimizer step, which waits for the write (before_update), so
             # the background thread writes them from where they live, without a copy,
             # while forward and backward run. Buffers (forward may update them) are
             # copied now; so is state swapped in from NVMe, whose files the step rewrites.
             saving = (layout.saved(chunk) for chunk in state.state_slices(optimizer, SliceMode.SAVE))
-            if engine.memory_breakdown()["nvme"] > 0:
+            if state.memory().get("nvme", 0) > 0:
                 chunks = snapshot(saving)
             else:
                 chunks = [s for chunk in saving for s in chunk]
@@ -262,7 +288,7 @@ class Checkpointer:
         return error
 
     def _prune(self, directory: CheckpointDirectory, tag: str) -> None:
-        keep = self.engine.config.checkpoint.keep_last_n
+        keep = self._config.checkpoint.keep_last_n
         if keep:
             directory.prune(keep, protect=tag)
 
@@ -300,7 +326,7 @@ class Checkpointer:
         _raise_if_any(result, group, f"copying checkpoint '{tag}' to '{mirror.root}' failed; its local copy is intact")
 
     def _validate_tag(self, tag: str, group: dist.ProcessGroup) -> None:
-        mode = self.engine.config.checkpoint.tag_validation
+        mode = self._config.checkpoint.tag_validation
         if mode == "IGNORE" or dist.get_world_size() == 1:
             return
         tags: list[Any] = [None] * dist.get_world_size()
@@ -312,22 +338,21 @@ class Checkpointer:
             logger.warning(msg)
 
     def _manifest(self, tag: str) -> Manifest:
-        engine = self.engine
         extra = {}
-        hf_config = getattr(engine.module, "config", None)
-        if hasattr(hf_config, "to_json_string") and hasattr(engine.module, "save_pretrained"):
+        hf_config = getattr(self._module, "config", None)
+        if hasattr(hf_config, "to_json_string") and hasattr(self._module, "save_pretrained"):
             extra["hf_config"] = json.loads(hf_config.to_json_string(use_diff=False))
         return Manifest(
             tag=tag,
             world_size=dist.get_world_size(),
-            stage=engine.config.zero_optimization.stage,
+            stage=self._config.zero_optimization.stage,
             params={},  # every rank's, merged when the files are written
             aliases={},
             buffers={},
             optim_keys={},
             files=[],
-            engine=_engine_state(engine),
-            config=engine.config.model_dump(mode="json", by_alias=True, exclude_unset=True),
+            engine=self._training_record(),
+            config=self._config.model_dump(mode="json", by_alias=True, exclude_unset=True),
             extra=extra,
         )
 
@@ -343,45 +368,80 @@ class Checkpointer:
         load_module_only: bool,
         data_position: bool = True,
     ) -> tuple[str | None, Any]:
-        """Load checkpoint ``load_dir/<tag>`` (default: ``latest``) on this engine's layout.
+        """Load checkpoint ``load_dir/<tag>`` (default: the one ``latest`` names; ``load_dir``
+        may also be the checkpoint folder itself) on this rank's layout, whatever the
+        saving one was.
 
-        Each rank reads just the spans it holds; ``data_position=False`` leaves the data
-        loader's position as it is (a rollback past bad data). Returns ``(path, client_state)``, or
-        ``(None, None)`` with a warning when ``load_dir`` has no ``latest`` and no tag
-        was given (as DeepSpeed does, so a script can always try to resume).
+        Collective. Each rank reads just the spans it holds. ``load_module_only`` restores
+        only parameters and buffers (optimizer, scheduler, counters, RNG and data position
+        are left as they are); ``data_position=False`` leaves the data loader's position as
+        it is (a rollback past bad data). Returns ``(path, client_state)``, or ``(None,
+        None)`` with a warning when ``load_dir`` has no ``latest`` and no tag was given (as
+        DeepSpeed does, so a script can always try to resume).
         """
         self.wait()
-        engine = self.engine
         folder = CheckpointDirectory.find(load_dir, tag)
         if folder is None:
             logger.warning("no checkpoint to load: '%s' has no 'latest' file", load_dir)
             return None, None
         with_optim = load_optimizer_states and not load_module_only
-        buffers = _persistent_buffers(engine)
+        buffers = _persistent_buffers(self._module)
         with CheckpointReader(folder) as reader:
             m = reader.manifest
             _check_fits(folder, m, self.layout.params(), buffers, self.layout.all_names(set(buffers)))
             optim_keys = None
             if with_optim:
-                _check_optimizer(folder, m, engine.optimizer)
+                _check_optimizer(folder, m, self._optimizer)
                 optim_keys = {
                     k.removeprefix(OPTIM): OptimKey(parse_dtype(v["dtype"]), bool(v["scalar"])) for k, v in m.optim_keys.items()
                 }
-            for chunk in engine._state.state_slices(engine.optimizer, SliceMode.LOAD, optim_keys):
+            for chunk in self._state.state_slices(self._optimizer, SliceMode.LOAD, optim_keys):
                 for span, t in chunk:
                     self.layout.read(reader, span, t)
             self.layout.done()
             for name, b in buffers.items():
                 reader.read_into(Span(BUFFER, name, 0, b.numel()), b.data)
         if not load_module_only:
-            _restore_engine(engine, m.engine, optimizer=with_optim, scheduler=load_lr_scheduler_states,
-                            data_position=data_position)  # fmt: skip
+            self._restore(m.engine, optimizer=with_optim, scheduler=load_lr_scheduler_states, data_position=data_position)
             rank = dist.get_rank()
             if rank < len(m.rng):
                 _set_rng_state(m.rng[rank])
         client = folder / CLIENT_STATE
         client_state = torch.load(client, weights_only=False) if client.exists() else {}
         return str(folder), client_state
+
+
+    # -- the training record -------------------------------------------------------------------
+
+    def _training_record(self) -> dict[str, Any]:
+        """What a checkpoint keeps besides tensors, in the manifest's ``engine`` entry: the
+        train state's counters (at its top level, as checkpoints always had them), the loss
+        scaler, the LR scheduler, the optimizer's options and the data position."""
+        scheduler, optimizer = self._scheduler, self._optimizer
+        return {
+            **self._train.state_dict(),
+            "loss_scaler": self._loss_scaler.state_dict(),
+            "lr_scheduler": scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
+            "optimizer": {
+                "type": type(optimizer).__name__,
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+            },
+            "sampler": self._data.state_dict(),
+        }
+
+    def _restore(self, record: dict[str, Any], *, optimizer: bool, scheduler: bool, data_position: bool) -> None:
+        """Restore :meth:`_training_record`'s ``record``; the optimizer's options, the
+        scheduler and the data position only where asked."""
+        self._train.load_state_dict(record)
+        self._loss_scaler.load_state_dict(record["loss_scaler"])
+        if optimizer:
+            for group, saved in zip(self._optimizer.param_groups, record["optimizer"]["param_groups"]):
+                for k, v in saved.items():
+                    group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
+        if scheduler and record.get("lr_scheduler") is not None and hasattr(self._scheduler, "load_state_dict"):
+            self._scheduler.load_state_dict(record["lr_scheduler"])
+        if data_position:
+            self._data.load_state_dict(record.get("sampler"))
 
 
 @dataclass
@@ -424,25 +484,25 @@ def _raise_if_any(error: str | None, group: dist.ProcessGroup, what: str) -> Non
         raise CheckpointError(f"{what}: {'; '.join(found)}")
 
 
-def _persistent_buffers(engine: Engine) -> dict[str, torch.Tensor]:
-    keys = set(engine.module.state_dict(keep_vars=True))
-    return {n: b for n, b in engine.module.named_buffers() if n in keys}
+def _persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    keys = set(module.state_dict(keep_vars=True))
+    return {n: b for n, b in module.named_buffers() if n in keys}
 
 
-def _aliases(engine: Engine) -> dict[str, list[str]]:
+def _aliases(module: nn.Module) -> dict[str, list[str]]:
     """A parameter's other names (tied inside this rank's module), by its first name."""
     names: dict[int, list[str]] = {}
-    for n, p in engine.module.named_parameters(remove_duplicate=False):
+    for n, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(n)
     return {ns[0]: ns[1:] for ns in names.values() if len(ns) > 1}
 
 
-def _buffer_infos(engine: Engine) -> dict[str, ParamInfo]:
-    return {n: ParamInfo(tuple(b.shape), b.dtype, -1) for n, b in _persistent_buffers(engine).items()}
+def _buffer_infos(module: nn.Module) -> dict[str, ParamInfo]:
+    return {n: ParamInfo(tuple(b.shape), b.dtype, -1) for n, b in _persistent_buffers(module).items()}
 
 
-def _buffer_slices(engine: Engine) -> list[Slice]:
-    return [(Span(BUFFER, n, 0, b.numel()), b.detach().reshape(-1)) for n, b in _persistent_buffers(engine).items()]
+def _buffer_slices(module: nn.Module) -> list[Slice]:
+    return [(Span(BUFFER, n, 0, b.numel()), b.detach().reshape(-1)) for n, b in _persistent_buffers(module).items()]
 
 
 def _optim_keys(described: list[Slice]) -> dict[str, dict]:
@@ -488,44 +548,6 @@ def _check_optimizer(folder: Path, m: Manifest, optimizer: torch.optim.Optimizer
             f"checkpoint '{folder}' has {len(groups)} optimizer param groups, this optimizer has "
             f"{len(optimizer.param_groups)}; load with load_optimizer_states=False"
         )
-
-
-def _engine_state(engine: Engine) -> dict[str, Any]:
-    sampler = getattr(getattr(engine, "training_dataloader", None), "sampler", None)
-    scheduler = engine.lr_scheduler
-    return {
-        "global_steps": engine.global_steps,
-        "micro_steps": engine.micro_steps,
-        "global_samples": engine.global_samples,
-        "skipped_steps": engine.skipped_steps,
-        "loss_scaler": engine.loss_scaler.state_dict(),
-        "lr_scheduler": scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
-        "optimizer": {
-            "type": type(engine.optimizer).__name__,
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
-        },
-        "sampler": sampler.state_dict() if hasattr(sampler, "state_dict") else None,
-    }
-
-
-def _restore_engine(engine: Engine, state: dict[str, Any], *, optimizer: bool, scheduler: bool, data_position: bool) -> None:
-    engine.global_steps = int(state["global_steps"])
-    # Checkpoints are taken at accumulation boundaries; the resumed job may accumulate
-    # over another number of micro-batches (same global batch on fewer ranks), so its
-    # first window starts here and spans its own gradient_accumulation_steps.
-    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps
-    engine.global_samples = int(state["global_samples"])
-    engine.skipped_steps = int(state["skipped_steps"])
-    engine.loss_scaler.load_state_dict(state["loss_scaler"])
-    if optimizer:
-        for group, saved in zip(engine.optimizer.param_groups, state["optimizer"]["param_groups"]):
-            for k, v in saved.items():
-                group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
-    if scheduler and state.get("lr_scheduler") is not None and hasattr(engine.lr_scheduler, "load_state_dict"):
-        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    sampler = getattr(getattr(engine, "training_dataloader", None), "sampler", None)
-    if data_position and state.get("sampler") is not None and hasattr(sampler, "load_state_dict"):
-        sampler.load_state_dict(state["sampler"])
 
 
 def _b64(t: torch.Tensor) -> str:

@@ -67,6 +67,24 @@ class ResumableSampler(DistributedSampler):
         self.consumed = self._resume_at
 
 
+class DataPosition:
+    """Where the training loader is in its data, for checkpoints: its sampler's
+    ``state_dict`` (a :class:`ResumableSampler`'s epoch and count). ``loader`` is the
+    engine's ``training_dataloader`` (None: nothing to carry)."""
+
+    def __init__(self, loader: DataLoader | None = None) -> None:
+        self.loader = loader
+
+    def state_dict(self) -> dict[str, Any] | None:
+        sampler = getattr(self.loader, "sampler", None)
+        return sampler.state_dict() if hasattr(sampler, "state_dict") else None
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        sampler = getattr(self.loader, "sampler", None)
+        if state is not None and hasattr(sampler, "load_state_dict"):
+            sampler.load_state_dict(state)
+
+
 def build_dataloader(
     dataset: Dataset,
     *,
@@ -105,3 +123,18 @@ def build_dataloader(
         # on the uninterrupted run's random numbers.
         generator=torch.Generator().manual_seed(seed + dp_rank),
     )
+
+
+def to_device(obj: Any, device: torch.device, float_dtype: torch.dtype | None = None) -> Any:
+    """``obj`` with every tensor in it (nested in lists, tuples, named tuples and dicts) on
+    ``device``, floating-point ones cast to ``float_dtype`` when given; other values as they are."""
+    if isinstance(obj, torch.Tensor):
+        if float_dtype is not None and obj.is_floating_point():
+            return obj.to(device=device, dtype=float_dtype, non_blocking=True)
+        return obj.to(device, non_blocking=True) if obj.device != device else obj
+    if isinstance(obj, (list, tuple)):
+        converted = [to_device(o, device, float_dtype) for o in obj]
+        return type(obj)(converted) if not hasattr(obj, "_fields") else type(obj)(*converted)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device, float_dtype) for k, v in obj.items()}
+    return obj

@@ -1,132 +1,95 @@
 """The training engine: forward, backward and step with accumulation, precision and clipping.
 
-The engine orchestrates; the pieces it calls do the work: the model state
-(``model_state``: replicated at stage 0, ``terascale.zero`` sharded at stages 1-3, see
-``[Note: model state]``) holds parameters, gradients and fp32 masters and reduces the
-gradients, ``loss_scaler`` and ``clipping`` act on the reduced gradients, and the
-optimizer/scheduler come from ``terascale.optim``. The train step has no per-stage code.
+The engine orchestrates; the pieces it is built from do the work (``[Note: the engine's
+parts]`` in ``terascale/engine/__init__.py``). The train step has no per-stage and no
+per-parallelism code. Every phase (forward, backward, step) runs inside one bracket,
+:meth:`Engine._phase`, that the observer and the resilience monitors share.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
-from terascale.comm import DistributedContext, all_reduce_flag, broadcast_tensors
+from terascale.comm import DistributedContext, all_reduce_flag
 from terascale.config import Config
-from terascale.engine.activations import EngineActivations
 from terascale.engine.checkpointing import Checkpointer
 from terascale.engine.clipping import clip_coefficient
+from terascale.engine.data import DataPosition, to_device
+from terascale.engine import export
 from terascale.engine.loss_scaler import build_loss_scaler
-from terascale.engine.model_state import ModelState, adopt_optimizer, build_model_state
-from terascale.engine.monitor import StepTimers, build_monitors, check_monitor_packages
+from terascale.engine.memory import memory_breakdown
+from terascale.engine.model_state import ModelState
+from terascale.engine.monitor import Reporter, StepTimers
 from terascale.engine.observe import Observer
-from terascale.engine.parallel import ParallelLayout, join_model_parallel
-from terascale.engine.pipeline import pipeline_for
-from terascale.engine.precision import PrecisionPolicy
+from terascale.engine.optimizer import OptimizerArg, SchedulerArg, engine_optimizer, engine_scheduler
+from terascale.engine.parallel import join_model_parallel
+from terascale.engine.prepare import PreparedModel
 from terascale.engine.resilience import Resilience
+from terascale.engine.train_state import TrainCounter, TrainState, WindowState
 from terascale.offload.aio import IoActivity
-from terascale.offload.policy import unpinned_keys
-from terascale.optim import build_optimizer, build_scheduler
-from terascale.zero import WrapPolicy
-from terascale.zero.tiling import tile_linears, untiled_state_dict
+from terascale.zero.tiling import untiled_state_dict
 
 logger = logging.getLogger("terascale")
 
-OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None
-SchedulerArg = Any  # an LR scheduler instance or a callable(optimizer) -> scheduler
-
 
 class Engine(nn.Module):
-    """Wraps the user's module for data-parallel mixed-precision training.
+    """Trains a prepared module: data-parallel, mixed precision, ZeRO stage 0-3.
 
     Call it like the module for forward; call :meth:`backward` with the loss and
     :meth:`step` after every micro-batch. Gradients are averaged over the data-parallel
     group and the optimizer steps once every ``gradient_accumulation_steps`` micro-batches.
+    Built by :func:`terascale.initialize`.
     """
 
     def __init__(
         self,
-        module: nn.Module,
+        prepared: PreparedModel,
         config: Config,
         dist_ctx: DistributedContext,
         *,
         optimizer: OptimizerArg = None,
-        model_parameters: Iterable[Any] | None = None,
         lr_scheduler: SchedulerArg = None,
-        wrap_policy: WrapPolicy | None = None,
+        training_dataloader: DataLoader | None = None,
     ) -> None:
         super().__init__()
         assert not config.auto_keys, f"resolve the config's 'auto' values first: {config.auto_keys}"
         self.config = config
         self.dist = dist_ctx
-        if config.log_level is not None:
-            logger.setLevel(config.log_level.upper())
-        if dist_ctx.rank == 0:
-            _log_config_notes(config)
-        check_monitor_packages(config)  # before any collective: the error must reach every rank
         batch = config.resolve_batch(dist_ctx.dp_world_size)
         self.train_batch_size = batch.train_batch_size
         self.micro_batch_size = batch.micro_batch_size
         self.gradient_accumulation_steps = batch.gradient_accumulation_steps
-
-        self.precision = PrecisionPolicy(compute_dtype=config.compute_dtype)
-        self.module = module.to(device=dist_ctx.device, dtype=self.precision.compute_dtype)
-        # Every rank starts from rank 0's weights, whatever each process's seed did.
-        broadcast_tensors(
-            [t.data for t in module.parameters()] + list(module.buffers()), dist_ctx.dp_group
-        )
-
-        if optimizer is not None and config.optimizer is not None:
-            raise ValueError(
-                "an optimizer was passed to terascale.initialize and the config has an 'optimizer' "
-                "section; remove one of them"
-            )
-        if config.zero_optimization.tile_linear_above is not None:
-            if isinstance(optimizer, torch.optim.Optimizer) or model_parameters is not None:
-                raise ValueError(
-                    "zero_optimization.tile_linear_above replaces big nn.Linear layers (and their parameters) "
-                    "inside terascale.initialize, so an optimizer or model_parameters built before it would "
-                    "hold the old ones: use the config's 'optimizer' section or pass optimizer as a callable"
-                )
-            tile_linears(self.module, int(config.zero_optimization.tile_linear_above))
-        param_groups = _user_param_groups(module, optimizer, model_parameters)
-        # Blocks are found before ZeRO shards the parameters (a sharded block looks empty).
-        self.activations = EngineActivations(self.module, config, dist_ctx, wrap_policy or WrapPolicy())
-        self._parallel = ParallelLayout.build(self.module, dist_ctx)
-        self._state: ModelState = build_model_state(
-            self.module, param_groups, config, dist_ctx, self.precision, wrap_policy, self._parallel.classes
-        )
-        self.optimizer = self._build_optimizer(optimizer)
-        self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        self.module = prepared.module
+        self.precision = prepared.precision
+        self.activations = prepared.activations
+        self._layout = prepared.layout
+        self._state = prepared.state
+        self.optimizer = engine_optimizer(optimizer, config, self._state, self._layout)
+        self.lr_scheduler = engine_scheduler(lr_scheduler, config, self.optimizer)
         self.loss_scaler = build_loss_scaler(config.fp16)
 
-        self.micro_steps = 0
-        # None: boundaries every gradient_accumulation_steps micro-steps; True/False: as
-        # set by set_gradient_accumulation_boundary (a trainer that decides them itself).
-        self._boundary: bool | None = None
-        self._window_norm: torch.Tensor | None = None  # this window's unscaled gradient norm, once computed
-        self._ties_summed = False  # this window's tied gradients summed over their copies
-        self._has_grads = False
-        self.global_steps = 0
-        self.global_samples = 0
-        self.skipped_steps = 0
-        self._step_applied = False
-        self._window_loss = torch.zeros((), device=dist_ctx.device)
-        self._last_grad_norm: float | None = None
-        # One rank reports: every tensor-parallel rank and pipeline stage sees the same loss.
-        self._reports = dist_ctx.dp_rank == 0 and dist_ctx.tp_rank == 0 and dist_ctx.pp_rank == 0
-        self._monitors = build_monitors(config) if self._reports else []
-        self.training_dataloader = None  # set by initialize(); its sampler position is checkpointed
-        self._checkpointer = Checkpointer(self)
-        self._pipeline = pipeline_for(self)  # a PipelineModule's schedule runner, else None
-        self._resilience = Resilience(self)  # interval/signal saves, resume, health monitors
-        self._observe = Observer(self)  # timers, the print line, flops profiler, comms logger, traces
+        train = self._train = TrainState(self.gradient_accumulation_steps, dist_ctx.device)
+        self._data = DataPosition(training_dataloader)
+        self._reporter = Reporter(config, dist_ctx, lambda: train.global_samples)
+        self._checkpointer = Checkpointer(
+            self.module, self._state, self._layout, self.optimizer, config, train,
+            loss_scaler=self.loss_scaler, lr_scheduler=self.lr_scheduler, data=self._data,
+        )  # fmt: skip
+        self._resilience = Resilience(config, dist_ctx, self._state, train, self._checkpointer, self._reporter)
+        self._observe = Observer(
+            config, dist_ctx, self.module, self._state, train, self._reporter,
+            compute_dtype=self.precision.compute_dtype, train_batch_size=self.train_batch_size,
+            recompute=bool(self.activations.blocks.blocks),
+        )  # fmt: skip
+        self._resilience.auto_resume()  # with checkpoint.auto_resume: the newest complete checkpoint
 
     # -- properties a training script reads ------------------------------------------------
 
@@ -148,6 +111,31 @@ class Engine(nn.Module):
         return self.dist.dp_group
 
     @property
+    def model_state(self) -> ModelState:
+        """Where the parameters, gradients and fp32 masters live (``[Note: model state]``)."""
+        return self._state
+
+    @property
+    def train_state(self) -> TrainState:
+        """The counters and the accumulation window (read them; the engine moves them)."""
+        return self._train
+
+    # DeepSpeed's counters: views of the train state (settable, as DeepSpeed's attributes are).
+    global_steps = TrainCounter()  # optimizer steps taken, skipped fp16-overflow steps included
+    micro_steps = TrainCounter()
+    global_samples = TrainCounter()
+    skipped_steps = TrainCounter()
+
+    @property
+    def training_dataloader(self) -> DataLoader | None:
+        """The loader ``initialize`` built from ``training_data``; checkpoints carry its position."""
+        return self._data.loader
+
+    @training_dataloader.setter
+    def training_dataloader(self, loader: DataLoader | None) -> None:
+        self._data.loader = loader
+
+    @property
     def loss_scale(self) -> float:
         return self.loss_scaler.scale
 
@@ -156,13 +144,11 @@ class Engine(nn.Module):
 
     def get_global_grad_norm(self) -> float | None:
         """The gradient norm of the last optimizer step (None before one was computed)."""
-        return self._last_grad_norm
+        return self._train.last_grad_norm
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the current micro-step is the last of its accumulation window."""
-        if self._boundary is not None:
-            return self._boundary
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return self._train.is_boundary()
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """Say whether the next micro-step ends its accumulation window (DeepSpeed's API).
@@ -172,23 +158,20 @@ class Engine(nn.Module):
         last micro-step of a window must have it True. ``None`` returns to counting
         ``gradient_accumulation_steps`` micro-steps.
         """
-        self._boundary = None if is_boundary is None else bool(is_boundary)
+        self._train.set_boundary(is_boundary)
 
     def was_step_applied(self) -> bool:
         """False if the last boundary step was skipped because of an fp16 overflow."""
-        return self._step_applied
+        return self._train.step_applied
 
     # -- the training protocol ---------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module; tensor inputs are moved to the engine's device."""
-        if self._pipeline is not None:
-            self._pipeline.refuse_direct("engine.forward")
-        with self._observe.phase("forward", (args, kwargs)):
-            args, kwargs = _to_device((args, kwargs), self.device, self._input_cast_dtype())
-            with self.activations.forward_context(), self._resilience.phase("forward"):
-                out = self.module(*args, **kwargs)
-        return out
+        with self._phase("forward", (args, kwargs)):
+            args, kwargs = to_device((args, kwargs), self.device, self._input_cast_dtype())
+            with self.activations.forward_context():
+                return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
         """Backpropagate ``loss`` scaled for accumulation (1/steps, unless ``scale_wrt_gas``
@@ -197,91 +180,21 @@ class Engine(nn.Module):
         On the last micro-step of a window, gradient buckets are all-reduced while the
         rest of backward still runs.
         """
-        if self._pipeline is not None:
-            self._pipeline.refuse_direct("engine.backward")
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
-        self._window_loss += loss.detach().float() * (1 if scale_wrt_gas else self.gradient_accumulation_steps)
-        scale = self.loss_scaler.scale / (self.gradient_accumulation_steps if scale_wrt_gas else 1)
-        self._run_backward(
-            self.is_gradient_accumulation_boundary(), lambda: (loss.float() * scale).backward(retain_graph=retain_graph)
-        )
+        gas = self.gradient_accumulation_steps
+        self._train.add_loss(loss, 1 if scale_wrt_gas else gas)
+        scale = self.loss_scaler.scale / (gas if scale_wrt_gas else 1)
+        self._backward(self.is_gradient_accumulation_boundary(), lambda: (loss.float() * scale).backward(retain_graph=retain_graph))
 
-    def _run_backward(self, sync: bool, run: Callable[[], None]) -> None:
-        """``run`` (one backward) inside the model state's bracket: ``sync`` on the window's
-        last backward, when the gradients are reduced over the data-parallel ranks."""
-        with self._observe.phase("backward"):
-            self._state.prepare_backward(sync=sync)
-            self.activations.before_backward()
-            with self._resilience.phase("backward"):
-                run()
-            self._state.post_backward()
-        self._has_grads = True
-
-    def step(self) -> None:
-        """Count a micro-step; at an accumulation boundary, update the parameters."""
-        if self._pipeline is not None:
-            self._pipeline.refuse_direct("engine.step")
-        if not self.is_gradient_accumulation_boundary():
-            self.micro_steps += 1
-            return
-        with self._observe.phase("step"), self._resilience.phase("step", timed=False):
-            kept = self._optimizer_step()
-        if not kept:  # rolled back: the checkpoint's counters stand
-            return
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size
-        self._observe.step_ends()
-        self._report()
-        self.activations.log_profile(self.global_steps)
-        self.micro_steps += 1
-        self._resilience.after_step()
-
-    # -- pipeline parallelism (a terascale.pipe.PipelineModule; see terascale.engine.pipeline) --
-
-    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
-        """Train on one global batch: ``gradient_accumulation_steps`` micro-batches from
-        ``data_iter`` (``(inputs, labels)`` pairs; default: the ``training_data`` loader)
-        through the pipeline schedule, then one optimizer step.
-
-        Collective over every rank. Returns the batch's mean loss (over micro-batches and
-        data-parallel replicas), the same float tensor on every pipeline stage.
-        """
-        return self._pipeline_or_error("train_batch").train_batch(data_iter)
-
-    def eval_batch(self, data_iter: Iterator[Any] | None, return_logits: bool = False, compute_loss: bool = True) -> Any:
-        """Forward ``gradient_accumulation_steps`` micro-batches without gradients.
-
-        Returns the mean loss on every stage (None without ``compute_loss``), with
-        ``return_logits`` as ``(loss, outputs)``: the last stage's outputs of the batch
-        (concatenated along dim 0), None on other stages. Collective over every rank.
-        """
-        return self._pipeline_or_error("eval_batch").eval_batch(data_iter, return_logits, compute_loss)
-
-    def pipeline_stats(self) -> dict[str, float]:
-        """This stage's timing of the last train/eval batch: ``step_s`` (wall time of the
-        schedule), ``busy_s`` (forward and backward compute), ``bubble`` (1 - busy/step),
-        ``ideal_bubble`` ((p - 1) / (v m + p - 1) for p stages, v chunks, m micro-batches),
-        ``micro_batches``, and ``sent_act_bytes`` / ``sent_grad_bytes`` (activations and
-        gradients this rank sent to its neighbour stages)."""
-        return self._pipeline_or_error("pipeline_stats").stats()
-
-    def _pipeline_or_error(self, what: str) -> Any:
-        if self._pipeline is None:
-            raise ValueError(f"engine.{what} needs a terascale.pipe.PipelineModule as the model")
-        return self._pipeline
-
-    def backward_stage(
+    def run_backward(
         self, tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None = None, *, sync: bool
     ) -> None:
-        """One pipeline stage's backward of one micro-batch (the pipeline runner calls it).
-
-        ``grads=None``: ``tensors`` is ``[loss]``, scaled here as :meth:`backward` scales
-        (1/accumulation steps, fp16 loss scale). Otherwise ``tensors`` are a chunk's
-        outputs and ``grads`` their gradients from the next stage, which already carry
-        that scaling. ``sync`` marks the last backward of the window on this stage: the
-        model state reduces the gradients then (and ZeRO-2/3 after every backward).
-        """
+        """One backward of a schedule that drives the window itself (a pipeline stage's):
+        of ``[loss]`` (``grads=None``; scaled as :meth:`backward` scales), or of outputs
+        ``tensors`` with their gradients ``grads`` from the next stage (already scaled).
+        ``sync`` marks this rank's last backward of the window, when the model state
+        reduces the gradients. The window's loss is given at :meth:`end_window`."""
         def run() -> None:
             if grads is None:
                 (loss,) = tensors
@@ -289,16 +202,55 @@ class Engine(nn.Module):
             elif tensors:
                 torch.autograd.backward(list(tensors), list(grads))
 
-        self._run_backward(sync, run)
+        self._backward(sync, run)
+
+    def _backward(self, sync: bool, run: Callable[[], None]) -> None:
+        """``run`` (one backward) inside the model state's bracket: ``sync`` on the window's
+        last backward, when the gradients are reduced over the data-parallel ranks."""
+        self._train.backward_ran()
+        with self._phase("backward"):
+            self._state.prepare_backward(sync=sync)
+            self.activations.before_backward()
+            run()
+            self._state.post_backward()
+
+    def step(self) -> None:
+        """Count a micro-step; at an accumulation boundary, update the parameters."""
+        if not self.is_gradient_accumulation_boundary():
+            self._train.count_micro_step()
+            return
+        with self._phase("step", timed=False):
+            outcome = self._update()
+        if outcome is None:  # rolled back: the checkpoint's counters stand
+            return
+        applied, norm = outcome
+        self._train.step_done(applied=applied, grad_norm=norm, samples=self.train_batch_size)
+        loss_scale = self.loss_scale if self.config.fp16.enabled else None
+        self._observe.step_ends(self._train.take_window_loss(), self.get_lr()[0], loss_scale)
+        self.activations.log_profile(self._train.global_steps)
+        self._resilience.after_step()
+
+    def end_window(self, mean_loss: torch.Tensor) -> None:
+        """End a window that a schedule ran in one go (the forwards and :meth:`run_backward`
+        of all its micro-steps, as a pipeline's ``train_batch`` does): ``mean_loss`` is its
+        loss per micro-step; its micro-steps are counted and the optimizer steps."""
+        self._train.window_ran(mean_loss)
+        assert self.is_gradient_accumulation_boundary()
+        self.step()
+
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        """Pipeline engines only (``terascale.pipe.PipelineEngine``): this one raises."""
+        raise ValueError(
+            "engine.train_batch runs a pipeline schedule and needs a terascale.pipe.PipelineModule as the model; "
+            "train this engine with engine(batch), engine.backward(loss) and engine.step()"
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients accumulated so far in this window (``set_to_none`` is
         accepted for ``nn.Module``'s signature; gradient buffers are kept for reuse)."""
-        if self._has_grads:
+        if self._train.window is not WindowState.EMPTY:
             self._state.zero_grad()
-            self._has_grads = False
-        self._window_norm = None
-        self._ties_summed = False
+        self._train.clear_window()
 
     def window_grad_norm(self) -> torch.Tensor:
         """The global L2 norm of this window's reduced gradients, unscaled, before
@@ -306,27 +258,30 @@ class Engine(nn.Module):
 
         Computed once per window; the optimizer step clips with the same value.
         """
-        if self._window_norm is None:
-            self._sum_tied_grads()
+        if self._train.window_norm is None:
+            self._complete_grads()
             extra = self._resilience.loss_flag()
-            self._window_norm = self._parallel.grad_norm(self._state, extra) / self.loss_scaler.scale
-        return self._window_norm
+            self._train.finalize(self._layout.grad_norm(self._state, extra) / self.loss_scaler.scale)
+        assert self._train.window_norm is not None
+        return self._train.window_norm
 
-    def _sum_tied_grads(self) -> None:
-        """Once per window, before the gradients are used ([Note: tied parameters across stages])."""
-        if not self._ties_summed:
-            self._parallel.sum_tied_grads(self._state)
-            self._ties_summed = True
+    def _complete_grads(self) -> None:
+        """Once per window, before the gradients are used: sum tied layers' copies
+        ([Note: tied parameters across stages])."""
+        if self._train.window is not WindowState.FINAL:
+            self._layout.sum_tied_grads(self._state)
+            self._train.finalize()
 
-    def _optimizer_step(self) -> bool:
-        """Update from this window's gradients (or skip); False when it rolled back to a
-        checkpoint instead (``health.non_finite.policy`` rollback)."""
+    def _update(self) -> tuple[bool, float | None] | None:
+        """Update from this window's gradients, or skip it (fp16 overflow, a non-finite
+        gradient under ``health.non_finite.policy`` skip): ``(applied, gradient norm)``.
+        None when it rolled back to a checkpoint instead (policy rollback)."""
         self._checkpointer.before_update()  # an asynchronous save may still read the state
         scale = self.loss_scaler.scale
         norm = None
         clip = self.config.gradient_clipping
         checks = self._resilience.checks_non_finite
-        if clip > 0 or self.config.fp16.enabled or self._window_norm is not None or checks:
+        if clip > 0 or self.config.fp16.enabled or self._train.window_norm is not None or checks:
             norm = self.window_grad_norm()
         overflow = False
         if self.config.fp16.enabled:
@@ -336,54 +291,39 @@ class Engine(nn.Module):
         verdict = self._resilience.check_finite(norm) if checks and not overflow else "ok"
         if verdict == "rollback":
             self._state.zero_grad()
-            self._has_grads, self._window_norm, self._ties_summed = False, None, False
-            self._window_loss.zero_()
+            self._train.rolled_back()
             self._resilience.rollback()
-            return False
-        if overflow or verdict == "skip":
-            self.skipped_steps += 1
-            self._step_applied = False
-            if overflow:
-                logger.info(
-                    "fp16 overflow at step %d: step skipped, loss scale %g -> %g",
-                    self.global_steps, scale, self.loss_scaler.scale,
-                )
-        else:
-            self._sum_tied_grads()
+            return None
+        applied = not (overflow or verdict == "skip")
+        if overflow:
+            logger.info(
+                "fp16 overflow at step %d: step skipped, loss scale %g -> %g",
+                self._train.global_steps, scale, self.loss_scaler.scale,
+            )
+        if applied:
+            self._complete_grads()
             # Unscaling and clipping are one multiplication of the gradients.
             multiplier = torch.tensor(1.0 / scale, device=self.device)
             if clip > 0:
                 multiplier = multiplier * clip_coefficient(clip, norm)
-            self._state.step(self.optimizer, multiplier, self._parallel.sum_norms)
+            self._state.step(self.optimizer, multiplier, self._layout.sum_norms)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-            self._step_applied = True
-        self._last_grad_norm = None if norm is None else float(norm)
         self._state.zero_grad()
-        self._has_grads = False
-        self._window_norm = None
-        self._ties_summed = False
-        return True
+        return applied, None if norm is None else float(norm)
 
-    def _report(self) -> None:
-        every = self.config.steps_per_print
-        want_print = bool(every) and self.global_steps % every == 0  # the same on every rank
-        if not (want_print or self._monitors):
-            self._window_loss.zero_()
-            return
-        loss = float(self._window_loss) / self.gradient_accumulation_steps
-        self._window_loss.zero_()
-        if self._monitors:
-            events = [
-                ("Train/Samples/train_loss", loss, self.global_samples),
-                ("Train/Samples/lr", self.get_lr()[0], self.global_samples),
-            ]
-            if self.config.fp16.enabled:
-                events.append(("Train/Samples/loss_scale", self.loss_scale, self.global_samples))
-            for m in self._monitors:
-                m.write(events)
-        if want_print:
-            self._observe.report(loss)  # collective: every rank's memory
+    @contextmanager
+    def _phase(self, name: str, inputs: Any = None, *, timed: bool = True) -> Iterator[None]:
+        """The bracket of every phase: the observer's timer, trace range and token count
+        (``inputs``), and the resilience monitors' progress mark, straggler timing
+        (``timed``) and failure notice."""
+        with self._observe.phase(name, inputs), self._resilience.phase(name, timed=timed):
+            yield
+
+    def _input_cast_dtype(self) -> torch.dtype | None:
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            return torch.float16
+        return None
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -395,16 +335,9 @@ class Engine(nn.Module):
         save_latest: bool = True,
     ) -> str:
         """Save everything needed to resume into ``save_dir/<tag>`` (default tag
-        ``global_step<N>``) and point ``save_dir/latest`` at it; returns the tag.
-
-        Collective: call on every rank. Each rank writes only its own state, as spans of
-        named parameters, so the checkpoint loads on any number of ranks, at any ZeRO
-        stage, offloaded or not. The write is atomic: a failure or crash leaves earlier
-        checkpoints and ``latest`` as they were. ``client_state`` (any picklable dict)
-        comes back from :meth:`load_checkpoint`. With ``checkpoint.async`` the call returns
-        at once and the files are written in the background; the next optimizer step waits
-        for the write (see :meth:`wait_for_checkpoint`).
-        """
+        ``global_step<N>``) and point ``save_dir/latest`` at it; returns the tag. Collective
+        and atomic; loads on any layout; with ``checkpoint.async`` written in the
+        background (see :meth:`Checkpointer.save`, :meth:`wait_for_checkpoint`)."""
         self._resilience.mark("save")
         return self._checkpointer.save(save_dir, tag, client_state, save_latest)
 
@@ -416,51 +349,22 @@ class Engine(nn.Module):
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
     ) -> tuple[str | None, Any]:
-        """Restore a checkpoint written by :meth:`save_checkpoint` on any layout.
-
-        ``load_dir`` is a save directory (with ``tag``, default the one ``latest`` names)
-        or a checkpoint folder itself.
-
-        Collective. Returns ``(path, client_state)``; ``(None, None)`` when ``load_dir``
-        has no ``latest`` and no ``tag`` is given. ``load_module_only`` restores only
-        parameters and buffers (optimizer, scheduler, counters, RNG and data position are
-        left as they are).
-        """
+        """Restore a checkpoint written by :meth:`save_checkpoint` on any layout; returns
+        ``(path, client_state)``, ``(None, None)`` when there is none (collective; see
+        :meth:`Checkpointer.load`)."""
         self._resilience.mark("load")
-        return self._checkpointer.load(
-            load_dir,
-            tag,
-            load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states,
-            load_module_only=load_module_only,
-        )
+        return self._checkpointer.load(load_dir, tag, load_optimizer_states=load_optimizer_states,
+                                       load_lr_scheduler_states=load_lr_scheduler_states,
+                                       load_module_only=load_module_only)  # fmt: skip
 
     def save_pretrained(self, save_dir: str | Path, **kwargs: Any) -> None:
-        """Write a Hugging Face folder of the current weights (fp32 masters) on rank 0 with
-        the model's own ``save_pretrained``; ``from_pretrained`` loads it. Collective.
-
-        For the wrapped module to be a ``transformers.PreTrainedModel``; ``kwargs`` go to
-        its ``save_pretrained``. Gathers the full state dict in host memory; for models
-        larger than that, save a checkpoint and run ``terascale consolidate --hf``, which
-        streams one parameter at a time.
-        """
-        if not hasattr(self.module, "save_pretrained"):
-            raise ValueError(
-                f"save_pretrained needs a Hugging Face PreTrainedModel, this engine wraps a "
-                f"{type(self.module).__name__}; use save_checkpoint and `terascale consolidate`"
-            )
-        state = self.full_state_dict()
-
-        def write() -> None:
-            self.module.save_pretrained(str(save_dir), state_dict=state, **kwargs)
-
-        self.write_on_ranks(write if self.dist.rank == 0 else None, f"save_pretrained to {save_dir}")
+        """Write a Hugging Face folder of the weights on rank 0 (collective; see
+        :func:`terascale.engine.export.save_pretrained`)."""
+        export.save_pretrained(self, save_dir, **kwargs)
 
     def write_on_ranks(self, write: Callable[[], None] | None, what: str) -> None:
-        """Run ``write`` on the ranks that pass one (rank 0 alone, or one per node; the
-        others pass None); every rank returns once all writers have finished, and raises a
-        writer's error if one failed (``what`` names the write). Collective: the files are
-        complete on return everywhere, so any rank may read them next."""
+        """Run ``write`` on the ranks that pass one; return everywhere once all are done
+        (collective; see :meth:`Checkpointer.write_on_ranks`)."""
         self._checkpointer.write_on_ranks(write, what)
 
     @property
@@ -481,111 +385,57 @@ class Engine(nn.Module):
         and every pipeline stage's entries included. Collective at ZeRO stages 1-3 and
         under model parallelism: call it on every rank.
         """
-        return join_model_parallel(untiled_state_dict(self.module, self._state.full_state_dict()), self._parallel)
+        return join_model_parallel(untiled_state_dict(self.module, self._state.full_state_dict()), self._layout)
 
     def save_16bit_model(self, save_dir: str | Path, save_filename: str = "pytorch_model.bin") -> bool:
-        """Write the model's weights in the compute dtype to ``save_dir/save_filename`` (rank 0).
-
-        Collective. ``.safetensors`` names are written with safetensors, others with
-        ``torch.save``. At ZeRO stage 3 this needs
-        ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (as in DeepSpeed):
-        without it nothing is written and False is returned.
-        """
-        zero = self.config.zero_optimization
-        if zero.stage == 3 and not zero.gather_16bit_weights_on_model_save:
-            logger.warning(
-                "save_16bit_model: nothing saved; at stage 3 set "
-                "zero_optimization.stage3_gather_16bit_weights_on_model_save to true"
-            )
-            return False
-        dtype = self.precision.compute_dtype
-        state = {
-            k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.full_state_dict().items()
-        }
-        path = Path(save_dir) / save_filename
-
-        def write() -> None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            if path.suffix == ".safetensors":
-                from safetensors.torch import save_file
-
-                save_file(state, str(tmp))  # full_state_dict copies every name: nothing shared
-            else:
-                torch.save(state, tmp)
-            tmp.replace(path)  # atomic: a failed write leaves the previous file intact
-
-        self.write_on_ranks(write if self.dist.rank == 0 else None, f"save_16bit_model to {path}")
-        return True
+        """Write the weights in the compute dtype to ``save_dir/save_filename`` on rank 0;
+        False at stage 3 without ``stage3_gather_16bit_weights_on_model_save`` (collective;
+        see :func:`terascale.engine.export.save_16bit_model`)."""
+        return export.save_16bit_model(self, save_dir, save_filename)
 
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes of model state this rank holds now, by kind.
-
-        ``params`` (the model's low-precision parameters: full at stages 0-2, this rank's
-        shards at stage 3), ``gathered_params`` (stage 3: full groups gathered right now),
-        ``grads`` (accumulation buffers and gradient shards), ``grad_buffers`` (stages
-        2-3: full gradient buffers kept between reductions for reuse, a working set
-        bounded by the reduce bucket), ``offload_buffers`` and ``nvme`` (optimizer offload to
-        NVMe: host swap buffers, and bytes in this rank's swap files), ``master_params`` (fp32
-        masters not shared with ``params``), ``optimizer_state`` (moments etc.),
-        ``buffers`` (module buffers), and ``model_states``, the sum of params, grads,
-        masters and optimizer state - the quantity of the ZeRO memory formulas. Activation
-        memory: ``activations`` (bytes autograd kept for backward after the last forward,
-        measured with ``memory_breakdown`` or ``activation_checkpointing.profile``, else 0),
-        ``checkpoint_inputs`` (checkpointed blocks' inputs held on the device at the
-        peak) and ``activation_host_buffers`` (host buffers of offloaded checkpoints);
-        :meth:`activation_report` has them by block.
-        """
-        out = {
-            "params": 0,
-            "gathered_params": 0,
-            "grads": 0,
-            "grad_buffers": 0,
-            "master_params": 0,
-            "offload_buffers": 0,
-            "nvme": 0,
-        }
-        out.update(self._state.memory())
-        out.update(self.activations.memory())
-        out["optimizer_state"] = sum(
-            t.numel() * t.element_size()
-            for state in self.optimizer.state.values()
-            for t in state.values()
-            if isinstance(t, torch.Tensor) and t.dim() > 0
-        )
-        out["buffers"] = sum(b.numel() * b.element_size() for b in self.module.buffers())
-        out["model_states"] = out["params"] + out["grads"] + out["master_params"] + out["optimizer_state"]
-        return out
+        """Bytes this rank holds now, by kind: model states (the ZeRO formulas' quantity),
+        offload buffers, activations (see :func:`terascale.engine.memory.memory_breakdown`)."""
+        return memory_breakdown(self.module, self._state, self.optimizer, self.activations)
 
     def activation_report(self) -> list[dict[str, Any]]:
-        """Per block of the last forward/backward: bytes saved for backward (when
-        measured), checkpoint inputs, and with ``profile`` forward, recompute, offload and
-        fetch-wait times and the recompute's output bytes."""
+        """Per checkpointed block: bytes and times (see :meth:`EngineActivations.report`)."""
         return self.activations.report()
 
     def offload_io(self) -> dict[str, float]:
-        """This rank's NVMe swap traffic so far: bytes ``read`` and ``written``, and the
-        seconds its I/O engine had reads, writes or either in flight (``read_busy_s``,
-        ``write_busy_s``, ``busy_s``); zeros without an NVMe tier. What a step costs is
-        the difference across it."""
+        """This rank's NVMe swap traffic so far (see ``ModelState.offload_io``)."""
         return self._state.offload_io()
 
     def offload_activity(self) -> IoActivity | None:
-        """The activity record of this rank's NVMe swap engine (None without an NVMe tier):
-        set its ``recording`` to keep the spans with reads or writes in flight and the
-        spans the training thread waited for them (``bench/offload.py`` draws them)."""
+        """The activity record of this rank's NVMe swap engine (see ``ModelState.offload_activity``)."""
         return self._state.offload_activity()
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
         """Write ``{name: value}`` (a held-out loss: ``{"Eval/loss": ...}``) to the
         monitors at the current sample count, beside the engine's own metrics (which
         ``terascale report`` plots). Any rank may call it; the reporting rank writes."""
-        self._observe.write(metrics)
+        self._reporter.write(metrics)
 
     def comms_summary(self) -> str:
-        """The comms logger's table so far: per collective and message size, count,
-        latency, algorithmic and bus bandwidth (needs ``comms_logger.enabled``)."""
+        """The comms logger's table so far (needs ``comms_logger.enabled``)."""
         return self._observe.comms_summary()
+
+    @property
+    def flops_profiler(self) -> Any:
+        """The :class:`~terascale.profiling.flops.FlopsProfiler` of step
+        ``flops_profiler.profile_step`` once that step ran (None before, or when off)."""
+        return self._observe.last_profile
+
+    @property
+    def straggler_report(self) -> Any:
+        """The straggler detector's last :class:`~terascale.health.straggler.StragglerReport`
+        (None before its first check, or with ``health.straggler`` off)."""
+        return self._resilience.straggler_report
+
+    @property
+    def resumed_in_s(self) -> float:
+        """Seconds ``checkpoint.auto_resume``'s load took at start-up (0: nothing resumed)."""
+        return self._resilience.resumed_in_s
 
     @property
     def timers(self) -> StepTimers:
@@ -600,112 +450,4 @@ class Engine(nn.Module):
         self._observe.close()
         self._state.remove_hooks()
         self.activations.close()
-        for m in self._monitors:
-            m.close()
-        self._monitors = []
-
-    # -- construction helpers ------------------------------------------------------------------
-
-    def _input_cast_dtype(self) -> torch.dtype | None:
-        if self.config.fp16.enabled and self.config.fp16.auto_cast:
-            return torch.float16
-        return None
-
-    def _build_optimizer(self, optimizer: OptimizerArg) -> torch.optim.Optimizer:
-        section = self.config.optimizer
-        groups = self._state.optimizer_param_groups()
-        if isinstance(optimizer, torch.optim.Optimizer):
-            adopt_optimizer(optimizer, groups)
-            built = optimizer
-        elif callable(optimizer):
-            built = optimizer(groups)
-        elif section is None:
-            raise ValueError(
-                "no optimizer: add an 'optimizer' section to the config (e.g. "
-                '{"type": "AdamW", "params": {"lr": 1e-3}}) or pass optimizer= to terascale.initialize'
-            )
-        else:
-            built = build_optimizer(section.type, dict(section.params), groups)
-        self._state.check_optimizer(built)
-        self._parallel.check_optimizer(built)
-        return built
-
-    def _build_scheduler(self, lr_scheduler: SchedulerArg) -> Any:
-        section = self.config.scheduler
-        if section is not None:
-            if lr_scheduler is not None:
-                raise ValueError(
-                    "an lr_scheduler was passed to terascale.initialize and the config has a "
-                    "'scheduler' section; remove one of them"
-                )
-            return build_scheduler(section.type, dict(section.params), self.optimizer)
-        if lr_scheduler is not None and not hasattr(lr_scheduler, "step") and callable(lr_scheduler):
-            return lr_scheduler(self.optimizer)
-        return lr_scheduler
-
-
-def _user_param_groups(
-    module: nn.Module, optimizer: OptimizerArg, model_parameters: Iterable[Any] | None
-) -> list[dict]:
-    """The optimizer groups the user asked for, as dicts over the module's parameters.
-
-    From a client optimizer's groups, else ``model_parameters`` (tensors or dicts of
-    options), else every parameter with ``requires_grad``. Each parameter appears once.
-    """
-    if isinstance(optimizer, torch.optim.Optimizer):
-        if optimizer.state:
-            raise ValueError(
-                "the optimizer passed to terascale.initialize already has state; construct it "
-                "fresh over model.parameters() (terascale gives it fp32 master weights)"
-            )
-        raw: list[Any] = [dict(g) for g in optimizer.param_groups]
-    elif model_parameters is not None:
-        raw = list(model_parameters)
-    else:
-        raw = [p for p in module.parameters() if p.requires_grad]
-    if raw and not isinstance(raw[0], dict):
-        raw = [{"params": raw}]
-    in_module = {id(p) for p in module.parameters()}
-    seen: set[int] = set()
-    groups = []
-    for group in raw:
-        params = group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        kept = []
-        for p in params:
-            if id(p) not in in_module:
-                raise ValueError("model_parameters contains a tensor that is not a parameter of the model")
-            if not p.requires_grad:
-                raise ValueError("model_parameters contains a parameter with requires_grad=False")
-            if id(p) not in seen:
-                seen.add(id(p))
-                kept.append(p)
-        groups.append({**group, "params": kept})
-    return groups
-
-
-def _to_device(obj: Any, device: torch.device, float_dtype: torch.dtype | None) -> Any:
-    if isinstance(obj, torch.Tensor):
-        if float_dtype is not None and obj.is_floating_point():
-            return obj.to(device=device, dtype=float_dtype, non_blocking=True)
-        return obj.to(device, non_blocking=True) if obj.device != device else obj
-    if isinstance(obj, (list, tuple)):
-        converted = [_to_device(o, device, float_dtype) for o in obj]
-        return type(obj)(converted) if not hasattr(obj, "_fields") else type(obj)(*converted)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device, float_dtype) for k, v in obj.items()}
-    return obj
-
-
-def _log_config_notes(config: Config) -> None:
-    """Say once, at start-up, what loading and resolving the config decided for the user."""
-    for note in config.notes:
-        logger.warning("config: %s", note)
-    if config.resolved:
-        logger.info('config: resolved "auto": %s', "; ".join(str(r) for r in config.resolved))
-    unpinned = unpinned_keys(config)
-    if unpinned:
-        logger.warning(
-            "config: %s: no accelerator on this machine, so host buffers are not pinned "
-            "(pinning only speeds up copies to a GPU)", ", ".join(unpinned),
-        )
+        self._reporter.close()

@@ -19,14 +19,14 @@ gradients and optimizer state, and that is behind :class:`ModelState`:
   spans of named tensors for checkpoints (see ``[Note: logical checkpoints]``).
 
 Stage 0 is :class:`ReplicatedState` (below); stages 1-3 are
-:class:`terascale.zero.ShardedState`, one class whose stage is a set of options.
+:class:`terascale.zero.ShardedState`, one class whose stage is a set of options;
+``terascale.engine.prepare.build_model_state`` picks one from the config.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from collections.abc import Collection, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -45,15 +45,13 @@ from terascale.checkpoint.spans import (
     create_optimizer_state,
     optimizer_slices,
 )
-from terascale.comm import DistributedContext, GradientBuckets, ReducePolicy
-from terascale.comm.sparse import CommStats, sparse_gradient_params
+from terascale.comm import GradientBuckets, ReducePolicy
+from terascale.comm.sparse import CommStats
 from terascale.comm import ops as comm_ops
-from terascale.config import Config
 from terascale.comm.collectives import global_grad_sq_norm
 from terascale.engine.precision import MasterWeights, PrecisionPolicy
 from terascale.offload.aio import IoActivity, io_traffic
 from terascale.optim.lamb import Lamb
-from terascale.zero import ShardedState, WrapPolicy, zero_options
 from terascale.zero.flat_group import FlatLayout
 from terascale.zero.init import materialize
 from terascale.zero.optimizers import SumNorms
@@ -80,9 +78,16 @@ class ModelState(Protocol):
 
     def memory(self) -> dict[str, int]: ...
 
-    def offload_io(self) -> dict[str, float]: ...
+    def offload_io(self) -> dict[str, float]:
+        """This rank's NVMe swap traffic so far: bytes ``read`` and ``written``, and the
+        seconds its I/O engine had reads, writes or either in flight (``read_busy_s``,
+        ``write_busy_s``, ``busy_s``); zeros without an NVMe tier. What a step costs is
+        the difference across it."""
 
-    def offload_activity(self) -> IoActivity | None: ...
+    def offload_activity(self) -> IoActivity | None:
+        """The activity record of this rank's NVMe swap engine (None without an NVMe tier):
+        set its ``recording`` to keep the spans with reads or writes in flight and the
+        spans the training thread waited for them (``bench/offload.py`` draws them)."""
 
     def wait_breakdown(self) -> dict[str, float]: ...
 
@@ -299,50 +304,3 @@ def adopt_optimizer(optimizer: torch.optim.Optimizer, groups: Sequence[dict]) ->
     assert len(groups) == len(optimizer.param_groups)
     for mine, theirs in zip(optimizer.param_groups, groups):
         mine["params"] = list(theirs["params"])
-
-
-def build_model_state(
-    module: nn.Module,
-    param_groups: Sequence[dict],
-    config: Config,
-    dist_ctx: DistributedContext,
-    precision: PrecisionPolicy,
-    wrap_policy: WrapPolicy | None = None,
-    param_classes: Mapping[int, Hashable] | None = None,
-) -> ModelState:
-    """The model state for ``config.zero_optimization.stage`` (see ``[Note: model state]``).
-
-    With ``sparse_gradients`` the weights of ``module``'s sparse embeddings are named in
-    the reduce policy (see ``[Note: sparse gradients]``), fixed here for every rank alike.
-    """
-    zero = config.zero_optimization
-    sparse = sparse_gradient_params(module) if config.sparse_gradients else frozenset()
-    if zero.stage == 0:
-        return ReplicatedState(
-            module,
-            param_groups,
-            precision,
-            dist_ctx.dp_group,
-            ReducePolicy(
-                bucket_numel=int(zero.reduce_bucket_size),
-                accum_dtype=config.grad_accum_dtype,
-                comm_dtype=config.communication_dtype,
-                prescale=config.prescale_gradients,
-                predivide_factor=config.gradient_predivide_factor,
-                sparse_gradients=config.sparse_gradients,
-                sparse_params=sparse,
-            ),
-            dist_ctx.device,
-        )
-    options = zero_options(config, wrap_policy)
-    if sparse:
-        options = dataclasses.replace(options, grads=dataclasses.replace(options.grads, sparse_params=sparse))
-    return ShardedState(
-        module,
-        param_groups,
-        options,
-        dist_ctx.dp_group,
-        dtype=precision.compute_dtype,
-        device=dist_ctx.device,
-        param_classes=param_classes,
-    )

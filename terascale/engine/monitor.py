@@ -1,8 +1,8 @@
 """Where training metrics go: CSV files, TensorBoard, Weights & Biases; step timers.
 
-Only the first rank of the data-parallel group writes. Each backend is built from its
-DeepSpeed config section; asking for a backend whose package is missing is an error at
-start-up, not a silent no-op.
+One rank writes (:class:`Reporter`). Each backend is built from its DeepSpeed config
+section; asking for a backend whose package is missing is an error at start-up, not a
+silent no-op.
 """
 
 from __future__ import annotations
@@ -10,10 +10,12 @@ from __future__ import annotations
 import csv
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
+
+from terascale.comm import DistributedContext
 
 
 class Monitor(Protocol):
@@ -108,6 +110,40 @@ def build_monitors(config) -> list[Monitor]:
     if config.wandb.enabled:
         monitors.append(WandbMonitor(config.wandb.project, config.wandb.group, config.wandb.team))
     return monitors
+
+
+class Reporter:
+    """The run's metrics writer: owns the config's monitors on the reporting rank.
+
+    That rank is the first of its data-parallel, tensor-parallel and pipeline groups
+    (``reports``): every tensor-parallel rank and pipeline stage sees the same loss, so one
+    writes and logs for all. Elsewhere the reporter writes nothing. Events are stamped
+    with ``samples()``, the global sample count (the x axis DeepSpeed's monitors use).
+    """
+
+    def __init__(self, config, dist_ctx: DistributedContext, samples: Callable[[], int]) -> None:
+        self.reports = dist_ctx.dp_rank == 0 and dist_ctx.tp_rank == 0 and dist_ctx.pp_rank == 0
+        self._monitors: list[Monitor] = build_monitors(config) if self.reports else []
+        self._samples = samples
+
+    @property
+    def writes(self) -> bool:
+        """Whether any monitor is listening (on this rank)."""
+        return bool(self._monitors)
+
+    def write(self, metrics: Mapping[str, float]) -> None:
+        """Record ``{name: value}`` at the current sample count (a no-op off the reporting rank)."""
+        if not self._monitors:
+            return
+        x = self._samples()
+        events = [(name, float(value), x) for name, value in metrics.items()]
+        for m in self._monitors:
+            m.write(events)
+
+    def close(self) -> None:
+        for m in self._monitors:
+            m.close()
+        self._monitors = []
 
 
 class StepTimers:

@@ -13,8 +13,10 @@ A run configured with ``checkpoint.save_dir`` keeps going by itself (README, "Lo
 * ``health`` adds the collective watchdog, the straggler detector and the non-finite
   policy (``terascale.health``).
 
-The engine calls :meth:`Resilience.phase` around forward and backward, :meth:`check_finite`
-before an update and :meth:`after_step` after it; nothing here branches on the ZeRO stage.
+The engine calls :meth:`Resilience.phase` around forward, backward and the step,
+:meth:`check_finite` before an update and :meth:`after_step` after it; saves and loads go
+through the engine's :class:`~terascale.engine.checkpointing.Checkpointer`. Nothing here
+branches on the ZeRO stage.
 """
 
 from __future__ import annotations
@@ -25,32 +27,45 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from terascale.checkpoint.directory import CheckpointDirectory, verify
 from terascale.checkpoint.manifest import Manifest
+from terascale.comm import DistributedContext
 from terascale.comm import ops as comm_ops
-from terascale.engine.model_state import collective_wait_s
+from terascale.config import Config
+from terascale.engine.checkpointing import Checkpointer
+from terascale.engine.model_state import ModelState, collective_wait_s
+from terascale.engine.monitor import Reporter
+from terascale.engine.train_state import TrainState
 from terascale.health.non_finite import NonFiniteError, NonFiniteEvent, NonFinitePolicy, Verdict
 from terascale.health.sigterm import SIGTERM_EXIT_CODE, SigtermWatch
 from terascale.health.straggler import StragglerDetector
 from terascale.health.watchdog import waiting_in
 
-if TYPE_CHECKING:
-    from terascale.engine.engine import Engine
-
 logger = logging.getLogger("terascale")
 
 
 class Resilience:
-    """Resume, interval saves, save-on-SIGTERM and the in-training health monitors of ``engine``."""
+    """Resume, interval saves, save-on-SIGTERM and the in-training health monitors of one
+    engine's training: ``train_state`` says where it is, ``checkpointer`` saves and loads
+    it, ``reporter`` logs."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        ck, health = engine.config.checkpoint, engine.config.health
+    def __init__(
+        self,
+        config: Config,
+        dist_ctx: DistributedContext,
+        model_state: ModelState,
+        train_state: TrainState,
+        checkpointer: Checkpointer,
+        reporter: Reporter,
+    ) -> None:
+        self._config, self._dist, self._train = config, dist_ctx, train_state
+        self._checkpointer, self._reporter = checkpointer, reporter
+        ck, health = config.checkpoint, config.health
         self.save_dir = ck.save_dir
         self.local_dir = ck.local_dir
         self._world = dist.get_world_size() if dist.is_initialized() else 1
@@ -67,24 +82,29 @@ class Resilience:
             self._straggler = StragglerDetector(
                 health.straggler.every_n_steps,
                 health.straggler.threshold,
-                device=engine.device,
-                pp_rank=engine.dist.pp_rank,
-                waited=lambda: collective_wait_s(engine._state),
+                device=dist_ctx.device,
+                pp_rank=dist_ctx.pp_rank,
+                waited=lambda: collective_wait_s(model_state),
             )
-            self._straggler.window_starts(engine.global_steps + 1)
+            self._straggler.window_starts(train_state.global_steps + 1)
         self._watchdog = None
         if health.watchdog.enabled and self._world > 1:
             from terascale.health.watchdog import CollectiveWatchdog
 
-            self._watchdog = CollectiveWatchdog(engine.dist, timeout_s=health.watchdog.timeout_s, blocked_only=True)
+            self._watchdog = CollectiveWatchdog(dist_ctx, timeout_s=health.watchdog.timeout_s, blocked_only=True)
         self._signal = None
         if ck.save_on_signal and self.save_dir:
             training_thread = threading.get_ident()
-            self._signal = SigtermWatch(ck.signal_deadline_s, lambda: waiting_in(training_thread, engine.dist))
+            self._signal = SigtermWatch(ck.signal_deadline_s, lambda: waiting_in(training_thread, dist_ctx))
 
     @property
     def checks_non_finite(self) -> bool:
         return self._non_finite.policy != "none"
+
+    @property
+    def straggler_report(self) -> Any:
+        """The straggler detector's last report (None before its first check or when it is off)."""
+        return None if self._straggler is None else self._straggler.last
 
     def close(self) -> None:
         if self._watchdog is not None:
@@ -116,7 +136,7 @@ class Resilience:
     def mark(self, name: str) -> None:
         """Tell the watchdog (and the SIGTERM watch) this rank reached ``name`` (step, save, load, ...)."""
         if self._watchdog is not None:
-            self._watchdog.progress(self.engine.micro_steps, name)
+            self._watchdog.progress(self._train.micro_steps, name)
         if self._signal is not None:
             self._signal.progressed()
 
@@ -126,7 +146,7 @@ class Resilience:
         (a bad loss anywhere makes the global norm NaN); None with the check off."""
         if not self.checks_non_finite:
             return None
-        loss = self.engine._window_loss
+        loss = self._train.window_loss
         return torch.where(torch.isfinite(loss), 0.0, float("nan")).to(torch.float32)
 
     def check_finite(self, norm: torch.Tensor) -> Verdict:
@@ -134,36 +154,34 @@ class Resilience:
         :meth:`loss_flag`) is ``norm`` (see ``terascale.health.non_finite``); raises
         NonFiniteError to stop. Collective only when the norm is not finite: the ranks
         then name whose loss it was."""
-        engine = self.engine
         if bool(torch.isfinite(norm)):
             return self._non_finite.verdict(None)
-        loss_bad = torch.tensor([0.0 if bool(torch.isfinite(engine._window_loss)) else 1.0], device=engine.device)
+        loss_bad = torch.tensor([0.0 if bool(torch.isfinite(self._train.window_loss)) else 1.0], device=self._dist.device)
         flags = [torch.empty_like(loss_bad) for _ in range(self._world)]
         if self._world > 1:
             comm_ops.all_gather(flags, loss_bad)
         else:
             flags = [loss_bad]
         ranks = tuple(r for r, f in enumerate(flags) if float(f) > 0)
-        event = NonFiniteEvent(engine.global_steps + 1, float(norm), ranks)
+        event = NonFiniteEvent(self._train.global_steps + 1, float(norm), ranks)
         verdict = self._non_finite.verdict(event)
-        if event is not None and engine._reports:
+        if event is not None and self._reporter.reports:
             logger.warning("%s: %s", event.describe(), {"skip": "step skipped", "rollback": "rolling back"}[verdict])
         return verdict
 
     def rollback(self) -> None:
         """Back to the last checkpoint in ``save_dir`` (collective). The data position is
         kept: the batches that went bad stay consumed."""
-        engine = self.engine
-        engine.wait_for_checkpoint()
+        self._checkpointer.wait()
         folder = self._newest_complete()
         if folder is None:
             raise NonFiniteError(f"health.non_finite.policy 'rollback': no checkpoint in '{self.save_dir}' to go back to")
-        step = engine.global_steps
+        step = self._train.global_steps
         self.mark("load")
-        engine._checkpointer.load(folder, None, load_optimizer_states=True, load_lr_scheduler_states=True,
-                                  load_module_only=False, data_position=False)  # fmt: skip
-        if engine._reports:
-            logger.warning("rolled back from step %d to '%s' (step %d)", step + 1, folder, engine.global_steps)
+        self._checkpointer.load(folder, None, load_optimizer_states=True, load_lr_scheduler_states=True,
+                                load_module_only=False, data_position=False)  # fmt: skip
+        if self._reporter.reports:
+            logger.warning("rolled back from step %d to '%s' (step %d)", step + 1, folder, self._train.global_steps)
 
     def after_step(self) -> None:
         """After an optimizer step: the straggler check, then the saves that are due."""
@@ -171,20 +189,18 @@ class Resilience:
             self._after_step()
 
     def _after_step(self) -> None:
-        engine = self.engine
-        step = engine.global_steps
+        step = self._train.global_steps
         if self._straggler is not None:
             report = self._straggler.check(step)
             self._straggler.window_starts(step + 1)
-            if report is not None and engine._reports:
+            if report is not None and self._reporter.reports:
                 if report.stragglers:
                     logger.warning(report.describe())
-                for m in engine._monitors:
-                    m.write([("Health/straggler_max_ratio", report.max_ratio, engine.global_samples)])
+                self._reporter.write({"Health/straggler_max_ratio": report.max_ratio})
         signalled, due = self._agree_on_flags()
         if signalled:
             self._save_and_exit()
-        every = engine.config.checkpoint.interval_steps
+        every = self._config.checkpoint.interval_steps
         if due or (every is not None and step % every == 0):
             self.save_now()
 
@@ -195,17 +211,17 @@ class Resilience:
         self.mark("save")
         self._last_save = time.monotonic()
         if self.local_dir is not None:
-            return self.engine._checkpointer.save(self.local_dir, None, None, True, asynchronous=True, mirror_to=self.save_dir)
-        return self.engine._checkpointer.save(self.save_dir, None, None, True, asynchronous=True)
+            return self._checkpointer.save(self.local_dir, None, None, True, asynchronous=True, mirror_to=self.save_dir)
+        return self._checkpointer.save(self.save_dir, None, None, True, asynchronous=True)
 
     def _agree_on_flags(self) -> tuple[bool, bool]:
         """(any rank got SIGTERM, interval_seconds elapsed on any rank): one small
         all-reduce, only when those features are on (clocks differ between ranks)."""
-        interval = self.engine.config.checkpoint.interval_seconds
+        interval = self._config.checkpoint.interval_seconds
         if self._signal is None and interval is None:
             return False, False
         due = interval is not None and time.monotonic() - self._last_save >= interval
-        flags = torch.tensor([float(self._signal is not None and self._signal.received), float(due)], device=self.engine.device)
+        flags = torch.tensor([float(self._signal is not None and self._signal.received), float(due)], device=self._dist.device)
         if self._world > 1:
             comm_ops.all_reduce(flags, op=dist.ReduceOp.MAX)
         return bool(flags[0] > 0), bool(flags[1] > 0)
@@ -214,17 +230,16 @@ class Resilience:
         """Every rank saw that one of them got SIGTERM ([Note: saving on SIGTERM]): save
         synchronously to ``save_dir`` (not ``local_dir``: the node may not come back) and
         exit with 143; the watch's deadline still ends the process if the save hangs."""
-        engine = self.engine
         assert self.save_dir is not None and self._signal is not None
         self._signal.saving()
         started = time.monotonic()
         try:
-            engine.wait_for_checkpoint()
+            self._checkpointer.wait()
         except Exception as exc:  # noqa: BLE001 - the save below supersedes it
             logger.warning("an earlier asynchronous save failed (%s); saving now", exc)
         self.mark("save")
-        tag = engine._checkpointer.save(self.save_dir, None, None, True, asynchronous=False)
-        if engine._reports:
+        tag = self._checkpointer.save(self.save_dir, None, None, True, asynchronous=False)
+        if self._reporter.reports:
             logger.warning(
                 "SIGTERM: saved checkpoint '%s' in %.1f s (%.1f s after the signal); exiting",
                 Path(self.save_dir) / tag, time.monotonic() - started, time.monotonic() - self._signal.received_at,
@@ -236,26 +251,25 @@ class Resilience:
     def auto_resume(self) -> str | None:
         """With ``checkpoint.auto_resume``: load the newest checkpoint every rank can read
         completely, from ``local_dir`` or ``save_dir``. Collective; returns its folder."""
-        engine = self.engine
-        if not engine.config.checkpoint.auto_resume:
+        if not self._config.checkpoint.auto_resume:
             return None
         folder = self._newest_complete()
         if folder is None:
-            if engine._reports:
+            if self._reporter.reports:
                 logger.info("auto_resume: no checkpoint in '%s' yet; starting from step 0", self.save_dir)
             return None
         self.mark("load")
         started = time.perf_counter()
-        engine._checkpointer.load(folder, None, load_optimizer_states=True, load_lr_scheduler_states=True,
-                                  load_module_only=False)  # fmt: skip
+        self._checkpointer.load(folder, None, load_optimizer_states=True, load_lr_scheduler_states=True,
+                                load_module_only=False)  # fmt: skip
         self.resumed_in_s = time.perf_counter() - started
         saved = Manifest.read(folder)
-        if engine._reports:
+        if self._reporter.reports:
             logger.info("auto_resume: resumed from '%s' at step %d in %.2f s (saved on %d ranks, now %d)",
-                        folder, engine.global_steps, self.resumed_in_s, saved.world_size, self._world)  # fmt: skip
+                        folder, self._train.global_steps, self.resumed_in_s, saved.world_size, self._world)  # fmt: skip
         self._last_save = time.monotonic()
         if self._straggler is not None:
-            self._straggler.window_starts(engine.global_steps + 1)
+            self._straggler.window_starts(self._train.global_steps + 1)
         return str(folder)
 
     def _newest_complete(self) -> Path | None:
@@ -273,7 +287,7 @@ class Resilience:
             mine = _best_complete(roots, bound)
             everyone: list[Any] = [None] * self._world
             if self._world > 1:
-                comm_ops.all_gather_object(everyone, mine, group=self.engine._checkpointer.coordination_group())
+                comm_ops.all_gather_object(everyone, mine, group=self._checkpointer.coordination_group())
             else:
                 everyone = [mine]
             problems |= {p for _, ps in everyone for p in ps}
@@ -282,7 +296,7 @@ class Resilience:
             if chosen is None or all(pick == chosen for pick in picks):
                 break
             bound = chosen
-        if problems and self.engine._reports:
+        if problems and self._reporter.reports:
             for text in sorted(problems):
                 logger.warning("not resuming from an incomplete checkpoint: %s", text)
         return None if chosen is None else Path(chosen[2])

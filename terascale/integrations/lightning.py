@@ -42,7 +42,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from terascale.config import AutoContext, Config, Given
-from terascale.engine import Engine, initialize
+from terascale.engine import Engine
+from terascale.entry import initialize
 from terascale.integrations.optimizer import EngineOptimizer
 
 _TAG = "checkpoint"

@@ -39,7 +39,8 @@ import torch.distributed as dist
 import transformers
 
 from terascale.config import AutoContext, Config, Given
-from terascale.engine import Engine, initialize
+from terascale.engine import Engine
+from terascale.entry import initialize
 from terascale.integrations.optimizer import EngineOptimizer
 
 _SCHEDULER_FILE = "scheduler.pt"

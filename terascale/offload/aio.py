@@ -110,21 +110,6 @@ class AioOptions:
         """Pieces in flight at once."""
         return self.thread_count * self.queue_depth
 
-    @classmethod
-    def from_config(cls, aio: object, directory: str | os.PathLike | None = None) -> AioOptions:
-        """From a :class:`terascale.config.schema.AioConfig` (or anything with its fields).
-
-        ``"auto"`` values are measured on ``directory`` (the NVMe path the engine will use)
-        by :func:`terascale.offload.probe.probe_options`, once per device; without a
-        directory they are the defaults.
-        """
-        given = {name: getattr(aio, name) for name in ("block_size", "queue_depth", "thread_count", "backend")}
-        if "auto" in given.values():
-            from terascale.offload.probe import probe_options  # probe imports this module
-
-            given = probe_options(directory, {k: v for k, v in given.items() if v != "auto"})
-        return cls(**given, single_submit=aio.single_submit, overlap_events=aio.overlap_events)
-
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     if tensor.device.type != "cpu":

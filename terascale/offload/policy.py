@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from terascale.offload.aio import AioOptions
+from terascale.offload.probe import aio_options
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def _policy(cls: type, section: object, aio: object, extra: tuple[str, ...]):
     # Published configs ask for pinned buffers (written for GPU machines); without an
     # accelerator there is nothing to pin for, and the engine says so once at start-up.
     pin = section.pin_memory and can_pin_memory()
-    options = AioOptions.from_config(aio, section.nvme_path if section.device == "nvme" else None)
+    options = aio_options(aio, section.nvme_path if section.device == "nvme" else None)
     return cls(**{name: getattr(section, name) for name in common}, pin_memory=pin, aio=options)
 
 

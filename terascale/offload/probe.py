@@ -41,6 +41,19 @@ _VERSION = 2
 _KEYS = ("block_size", "queue_depth", "thread_count", "backend")
 
 
+def aio_options(aio: object, directory: str | os.PathLike | None = None) -> AioOptions:
+    """The :class:`AioOptions` of a :class:`terascale.config.schema.AioConfig` (or anything
+    with its fields).
+
+    ``"auto"`` values are measured on ``directory`` (the NVMe path the engine will use) by
+    :func:`probe_options`, once per device; without a directory they are the defaults.
+    """
+    given = {name: getattr(aio, name) for name in _KEYS}
+    if "auto" in given.values():
+        given = probe_options(directory, {k: v for k, v in given.items() if v != "auto"})
+    return AioOptions(**given, single_submit=aio.single_submit, overlap_events=aio.overlap_events)
+
+
 def probe_options(directory: str | os.PathLike | None, given: dict[str, object]) -> dict[str, object]:
     """``block_size``, ``queue_depth``, ``thread_count`` and ``backend`` for NVMe I/O under
     ``directory``: the values in ``given``, the others measured (see [Note: the aio probe]).

@@ -3,7 +3,8 @@
 ``module`` splits a sequence of layers into stages (built only where they run), ``schedule``
 orders each stage's forwards, backwards and transfers, ``simulate`` checks schedules on paper,
 ``p2p`` moves activations and gradients between stages, ``runner`` executes a schedule
-through a small driver protocol that the engine implements (``terascale.engine.pipeline``).
+through a small driver protocol, and ``engine`` is the ``PipelineEngine`` that ``initialize``
+returns for a ``PipelineModule``: a layer over the training engine's public phases.
 
 [Note: why not torch.distributed.pipelining]
 torch's ``PipelineStage`` + ``Schedule1F1B``/``ScheduleInterleaved1F1B`` run each backward
@@ -23,6 +24,7 @@ provide and fits is used directly: ``dist.P2POp``/``batch_isend_irecv`` for the 
 ``[Note: shape negotiation]`` and ``[Note: partitioned boundaries]``.
 """
 
+from terascale.pipe.engine import PipelineEngine
 from terascale.pipe.layers import LayerSpec, TiedLayerSpec
 from terascale.pipe.module import PipelineModule
 from terascale.pipe.partition import partition_balanced, partition_uniform
@@ -32,6 +34,7 @@ __all__ = [
     "Instr",
     "LayerSpec",
     "Op",
+    "PipelineEngine",
     "PipelineModule",
     "StageGrid",
     "TiedLayerSpec",

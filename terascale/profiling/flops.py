@@ -50,50 +50,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.hooks import RemovableHandle
 
-from terascale.profiling.flops_report import format_macs, format_params, human, render_report
+from terascale.profiling.flops_report import ModuleProfile, format_macs, format_params, human, render_report
 
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class ModuleProfile:
-    """One module's numbers over the profiled window (inclusive of its submodules).
-
-    ``name`` is the qualified name in the profiled module ("" for the root), ``depth`` its
-    depth in the module tree (root 0). ``params`` are full parameter elements; ``fwd_flops``
-    and ``bwd_flops`` are as measured (backward includes recomputes); ``fwd_latency_s``
-    sums every forward call; ``calls`` counts them.
-    """
-
-    name: str
-    class_name: str
-    depth: int
-    params: int
-    fwd_flops: int
-    bwd_flops: int
-    fwd_latency_s: float
-    calls: int
-
-    @property
-    def flops(self) -> int:
-        return self.fwd_flops + self.bwd_flops
-
-    @property
-    def fwd_macs(self) -> int:
-        return self.fwd_flops // 2
-
-    @property
-    def bwd_macs(self) -> int:
-        return self.bwd_flops // 2
-
-    @property
-    def macs(self) -> int:
-        return self.flops // 2
-
-    @property
-    def fwd_flops_per_s(self) -> float:
-        """Achieved forward FLOP/s: forward FLOPs over forward latency (0 if not timed)."""
-        return self.fwd_flops / self.fwd_latency_s if self.fwd_latency_s > 0 else 0.0
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The flops profiler's text report: a summary, the heaviest modules per depth, the tree.
+"""The flops profiler's text report: a summary, the heaviest modules per depth, the tree;
+and :class:`ModuleProfile`, the per-module record the profiler fills and the report reads.
 
 Numbers print in human units (K, M, G, T; parameters with B for billions; durations in
 s, ms, us) with at most two decimals, as DeepSpeed's profiler prints them.
@@ -7,10 +8,48 @@ s, ms, us) with at most two decimals, as DeepSpeed's profiler prints them.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-if TYPE_CHECKING:
-    from terascale.profiling.flops import ModuleProfile
+@dataclass(frozen=True)
+class ModuleProfile:
+    """One module's numbers over the profiled window (inclusive of its submodules).
+
+    ``name`` is the qualified name in the profiled module ("" for the root), ``depth`` its
+    depth in the module tree (root 0). ``params`` are full parameter elements; ``fwd_flops``
+    and ``bwd_flops`` are as measured (backward includes recomputes); ``fwd_latency_s``
+    sums every forward call; ``calls`` counts them.
+    """
+
+    name: str
+    class_name: str
+    depth: int
+    params: int
+    fwd_flops: int
+    bwd_flops: int
+    fwd_latency_s: float
+    calls: int
+
+    @property
+    def flops(self) -> int:
+        return self.fwd_flops + self.bwd_flops
+
+    @property
+    def fwd_macs(self) -> int:
+        return self.fwd_flops // 2
+
+    @property
+    def bwd_macs(self) -> int:
+        return self.bwd_flops // 2
+
+    @property
+    def macs(self) -> int:
+        return self.flops // 2
+
+    @property
+    def fwd_flops_per_s(self) -> float:
+        """Achieved forward FLOP/s: forward FLOPs over forward latency (0 if not timed)."""
+        return self.fwd_flops / self.fwd_latency_s if self.fwd_latency_s > 0 else 0.0
+
 
 _WIDTH = 88
 

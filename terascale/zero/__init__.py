@@ -12,7 +12,7 @@ sharded parameters in full.
 from terascale.zero.flat_group import FlatLayout, FlatParamGroup, Fragment, ParamSlot, ShardState
 from terascale.zero.gather import GatheredParameters
 from terascale.zero.init import Init
-from terascale.zero.sharded import ShardedState, ZeroOptions, zero_options
+from terascale.zero.sharded import ShardedState, ZeroOptions
 from terascale.zero.tiling import TiledLinear, tile_linears
 from terascale.zero.wrap import GroupPlan, WrapPolicy
 
@@ -30,5 +30,4 @@ __all__ = [
     "WrapPolicy",
     "ZeroOptions",
     "tile_linears",
-    "zero_options",
 ]

@@ -41,6 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from terascale.comm import all_gather_flat, init_distributed, ops
 from terascale.config import Config
 from terascale.offload.aio import AioOptions, AsyncIO
+from terascale.offload.probe import aio_options
 from terascale.offload.swap import SwapDirectory, round_up
 from terascale.zero.gather import owner_of, register_owner, unregister
 from terascale.zero.host import map_large_allocations, return_freed_host_memory
@@ -130,7 +131,7 @@ class Init:
             )
         self.remote_device = remote_device
         self._nvme_path = offload.nvme_path if remote_device == "nvme" else None
-        self._aio = AioOptions.from_config(cfg.aio, self._nvme_path) if cfg is not None else AioOptions()
+        self._aio = aio_options(cfg.aio, self._nvme_path) if cfg is not None else AioOptions()
         self._nvme: _NvmeSlices | None = None
         self.enabled = enabled
         self.dtype = dtype or (cfg.compute_dtype if cfg is not None else None)

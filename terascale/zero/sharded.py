@@ -27,14 +27,12 @@ from torch.distributed import ProcessGroup
 from terascale.checkpoint.spans import OptimKey, ParamInfo, Slice, SliceMode
 from terascale.comm import all_gather_flat, duplicate_group, ops
 from terascale.comm.collectives import global_grad_sq_norm
-from terascale.config import Config
-from terascale.config.schema import TORCH_DTYPES
-from terascale.offload import AsyncIO, OptimizerOffload, host_adam, optimizer_offload
+from terascale.offload import AsyncIO, OptimizerOffload, host_adam
 from terascale.offload.aio import IoActivity, io_traffic
 from terascale.offload.grads import GradSwapper
 from terascale.offload.optimizer import OptimizerSwapper
 from terascale.offload.params import OffloadedParams
-from terascale.offload.policy import ParamOffload, param_offload
+from terascale.offload.policy import ParamOffload
 from terascale.offload.swap import SwapDirectory
 from terascale.optim.lamb import Lamb
 from terascale.zero.flat_group import FlatParamGroup, FullBuffers, ShardState, keeps_full_buffers
@@ -55,7 +53,8 @@ from terascale.zero.wrap import GroupPlan, WrapPolicy, plan_groups
 
 @dataclass(frozen=True)
 class ZeroOptions:
-    """Everything a stage means, as data (built from ``zero_optimization`` by the engine)."""
+    """Everything a stage means, as data (the engine builds it from ``zero_optimization``:
+    ``terascale.engine.prepare.zero_options``)."""
 
     stage: int
     grads: GradPolicy
@@ -71,42 +70,6 @@ class ZeroOptions:
     def __post_init__(self) -> None:
         assert self.stage in (1, 2, 3), self.stage
         assert self.stage == 3 or not self.offload_param.enabled, "parameter offload needs stage 3"
-
-
-def zero_options(config: Config, wrap: WrapPolicy | None = None) -> ZeroOptions:
-    """The options ``config.zero_optimization`` (stage 1-3) asks for.
-
-    Gradients accumulate in ``data_types.grad_accum_dtype`` when given, else in the
-    compute dtype as DeepSpeed's ZeRO does (this is what the ZeRO memory formulas count).
-    """
-    zero = config.zero_optimization
-    accum = config.data_types.grad_accum_dtype
-    return ZeroOptions(
-        stage=zero.stage,
-        grads=GradPolicy(
-            reduce_every_micro_step=zero.stage >= 2,
-            dtype=TORCH_DTYPES[accum] if accum else config.compute_dtype,
-            comm_dtype=config.communication_dtype,
-            bucket_numel=int(zero.reduce_bucket_size),
-            overlap=zero.overlap_comm,
-            reduce_scatter=zero.reduce_scatter,
-            prescale=config.prescale_gradients,
-            predivide_factor=config.gradient_predivide_factor,
-            sparse_gradients=config.sparse_gradients,
-        ),
-        wrap=wrap or WrapPolicy(),
-        schedule=SchedulePolicy(
-            prefetch_numel=int(zero.prefetch_bucket_size),
-            max_live_numel=int(zero.max_live_parameters),
-            max_reuse_distance=int(zero.max_reuse_distance),
-        ),
-        persistence_threshold=int(zero.param_persistence_threshold),
-        sub_group_size=int(zero.sub_group_size),
-        allgather_bucket_numel=int(zero.allgather_bucket_size),
-        offload_optimizer=optimizer_offload(config),
-        offload_param=param_offload(config),
-        allow_untested_optimizer=config.zero_allow_untested_optimizer,
-    )
 
 
 class ShardedState:
@@ -277,7 +240,7 @@ class ShardedState:
     def _create_masters(self, masters: ShardedMasters, run: list[int], device: torch.device | None = None) -> None:
         """Make run ``run``'s masters from its parameter shards, read back if on NVMe."""
         groups = sorted({masters.pieces[i].group for i in run})
-        with self._shards_resident(groups, write_back=False):
+        with self.shards_resident(groups, write_back=False):
             masters.create_run(run, device=device)
 
     # -- the train step ----------------------------------------------------------------------
@@ -484,7 +447,7 @@ class ShardedState:
         # Swapped-out masters are read once for all groups, not once per group.
         with self._masters_resident(write_back=False):
             for g, fg in enumerate(self.groups):
-                with self._shards_resident([g], write_back=False):
+                with self.shards_resident([g], write_back=False):
                     shard = self.masters.fp32_shard(g)
                 if fg.layout.world_size == 1:
                     full = shard
@@ -591,7 +554,7 @@ class ShardedState:
                     if fg.layout.world_size > 1:
                         src = dist.get_global_rank(self.group, modifier_rank)
                         ops.broadcast(fg.full_buffer, src=src, group=self.group)
-                    with self._shards_resident([g], write_back=True):
+                    with self.shards_resident([g], write_back=True):
                         fg.update_shard_from_full()
                         self.masters.refresh_from_shard(g)
                 elif fg.persistent:
@@ -603,7 +566,9 @@ class ShardedState:
     def _masters_resident(self, write_back: bool):
         return contextlib.nullcontext() if self.swapper is None else self.swapper.resident(write_back)
 
-    def _shards_resident(self, groups: list[int], write_back: bool):
+    def shards_resident(self, groups: list[int], write_back: bool) -> contextlib.AbstractContextManager:
+        """Within the block the parameter shards of ``groups`` are in memory (read back from
+        NVMe where they live there, and written back on exit with ``write_back``)."""
         if self.params is None or self.params.directory is None:
             return contextlib.nullcontext()
         return self.params.resident(groups, write_back)

@@ -10,18 +10,31 @@ from NVMe where it lives there, so one run is in memory at a time).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import torch
 
 from terascale.checkpoint.spans import MASTER, PARAM, OptimKey, Slice, SliceMode, Span, create_optimizer_state, optimizer_slices
-from terascale.offload.optimizer import MASTER_KEY
+from terascale.offload.optimizer import MASTER_KEY, OptimizerSwapper
+from terascale.offload.params import OffloadedParams
 from terascale.zero.flat_group import FlatParamGroup
-from terascale.zero.masters import Piece
+from terascale.zero.masters import Piece, ShardedMasters
+from terascale.zero.wrap import GroupPlan
 
-if TYPE_CHECKING:
-    from terascale.zero.sharded import ShardedState
+
+class ShardedParts(Protocol):
+    """What :func:`sharded_slices` reads of a sharded model state
+    (:class:`terascale.zero.ShardedState`): its groups with their plans, the fp32 master
+    pieces, the optimizer's swap files and the parameter shards' tier, if any."""
+
+    plans: Sequence[GroupPlan]
+    groups: Sequence[FlatParamGroup]
+    masters: ShardedMasters
+    swapper: OptimizerSwapper | None
+    params: OffloadedParams | None
+
+    def shards_resident(self, groups: list[int], write_back: bool) -> contextlib.AbstractContextManager: ...
 
 
 def piece_spans(fg: FlatParamGroup, piece: Piece) -> list[tuple[str, int, int, int]]:
@@ -37,7 +50,7 @@ def piece_spans(fg: FlatParamGroup, piece: Piece) -> list[tuple[str, int, int, i
 
 
 def sharded_slices(
-    st: ShardedState,
+    st: ShardedParts,
     optimizer: torch.optim.Optimizer,
     mode: SliceMode,
     optim_keys: dict[str, OptimKey] | None = None,
@@ -55,7 +68,7 @@ def sharded_slices(
         frozen = [f for f in fg.layout.fragments(fg.rank) if plan.opt_group[f.slot] < 0]
         if not frozen:
             continue
-        with contextlib.nullcontext() if describe else st._shards_resident([g], write_back=load):
+        with contextlib.nullcontext() if describe else st.shards_resident([g], write_back=load):
             shard = fg.shard
             if describe and shard.numel() == 0:  # on NVMe: only its dtype and size matter
                 shard = torch.empty(fg.layout.shard_numel, dtype=fg.dtype, device="meta")
@@ -104,7 +117,7 @@ def _scalars(state: dict) -> dict:
 
 
 def _run_slices(
-    st: ShardedState,
+    st: ShardedParts,
     run: list[int],
     tensors: dict[int, torch.Tensor],
     states: dict[int, dict],

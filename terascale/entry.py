@@ -1,8 +1,16 @@
-"""``terascale.initialize``: one call from a model and a config to a training engine."""
+"""``terascale.initialize``: one call from a model and a config to a training engine.
+
+It composes the layers in order: the config is read and its ``"auto"`` values resolved;
+the process groups are joined; the module is prepared (``prepare_model``, [Note: the order
+of model preparation]); the data loader is built; and the engine is made, a
+:class:`~terascale.pipe.PipelineEngine` for a ``PipelineModule`` (a layer over the
+engine, which is why this call sits above both).
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import pathlib
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -12,11 +20,16 @@ from torch.utils.data import DataLoader, Dataset
 
 from terascale.comm import ModelParallelUnit, init_distributed
 from terascale.config import AutoContext, Config
+from terascale.engine import Engine, prepare_model
 from terascale.engine.data import build_dataloader
-from terascale.engine.engine import Engine, OptimizerArg, SchedulerArg
+from terascale.engine.monitor import check_monitor_packages
+from terascale.engine.optimizer import OptimizerArg, SchedulerArg, check_optimizer_arguments
 from terascale.engine.parallel import check_layout, model_parallel_unit
-from terascale.parallel.tensor import auto_tp
+from terascale.offload.policy import unpinned_keys
+from terascale.pipe import PipelineEngine, PipelineModule
 from terascale.zero import WrapPolicy
+
+logger = logging.getLogger("terascale")
 
 
 def initialize(
@@ -56,34 +69,49 @@ def initialize(
     mpu = model_parallel_unit(model, cfg, mpu)
     dist_ctx = init_distributed(mpu)
     check_layout(model, cfg, dist_ctx)
-    if cfg.tensor_parallel.autotp_size > 1:
-        # Sliced before anything reads the model's sizes or parameters (auto values, ZeRO).
-        auto_tp(model, dist_ctx.mp_group)
     # [Note: auto values]: what an integration gave is already in cfg; the rest comes
-    # from the world size and the model.
+    # from the world size and the model as the user built it.
     cfg = cfg.resolve(AutoContext(world_size=dist_ctx.dp_world_size, model=model))
     cfg.require_built()
-    engine = Engine(
-        model,
-        cfg,
-        dist_ctx,
-        optimizer=optimizer,
-        model_parameters=model_parameters,
-        lr_scheduler=lr_scheduler,
-        wrap_policy=wrap_policy,
+    # Errors every rank raises alike, before the first collective.
+    check_monitor_packages(cfg)
+    check_optimizer_arguments(cfg, optimizer, lr_scheduler)
+    if cfg.log_level is not None:
+        logger.setLevel(cfg.log_level.upper())
+    if dist_ctx.rank == 0:
+        _log_config_notes(cfg)
+
+    prepared = prepare_model(
+        model, cfg, dist_ctx, wrap_policy=wrap_policy, optimizer=optimizer, model_parameters=model_parameters
     )
     loader = None
     if training_data is not None:
         loader = build_dataloader(
             training_data,
-            micro_batch_size=engine.micro_batch_size,
+            micro_batch_size=cfg.resolve_batch(dist_ctx.dp_world_size).micro_batch_size,
             dp_rank=dist_ctx.dp_rank,
             dp_world_size=dist_ctx.dp_world_size,
             device=dist_ctx.device,
             collate_fn=collate_fn,
             drop_last=bool(getattr(cfg, "dataloader_drop_last", False)),
         )
-    engine.training_dataloader = loader
-    # After the loader exists: resuming restores its position too.
-    engine._resilience.auto_resume()
+    engine_class = PipelineEngine if isinstance(model, PipelineModule) else Engine
+    # Built last: with checkpoint.auto_resume the engine resumes at the end of its
+    # construction, the loader's position included.
+    engine = engine_class(prepared, cfg, dist_ctx, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                          training_dataloader=loader)  # fmt: skip
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _log_config_notes(config: Config) -> None:
+    """Say once, at start-up, what loading and resolving the config decided for the user."""
+    for note in config.notes:
+        logger.warning("config: %s", note)
+    if config.resolved:
+        logger.info('config: resolved "auto": %s', "; ".join(str(r) for r in config.resolved))
+    unpinned = unpinned_keys(config)
+    if unpinned:
+        logger.warning(
+            "config: %s: no accelerator on this machine, so host buffers are not pinned "
+            "(pinning only speeds up copies to a GPU)", ", ".join(unpinned),
+        )

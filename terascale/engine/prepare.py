@@ -1,0 +1,219 @@
+"""``prepare_model``: every transformation of the user's module, in one stated order.
+
+[Note: the order of model preparation]
+A module becomes trainable by terascale in six steps, each of which depends on the ones
+before it (torchtitan's ``parallelize_llama`` reads the same way):
+
+1. tensor parallelism (``tensor_parallel.autotp_size``) slices layers first: every later
+   step sees the parameters this rank holds, not the unsliced ones;
+2. the module is cast to the compute dtype on this rank's device and rank 0's values are
+   broadcast over the data-parallel group (whatever each process's seed did);
+3. tiling (``zero_optimization.tile_linear_above``) replaces big ``nn.Linear`` layers and
+   their parameters, so it runs before anything collects parameters: the user's optimizer
+   groups are read right after it;
+4. activation checkpointing picks its blocks while they still hold their parameters (a
+   block sharded by ZeRO-3 looks empty);
+5. the parallel layout decides which rank counts which gradient and which parameters form
+   ZeRO groups of their own (tensor-parallel replicas, tied layers), which the group plan
+   of step 6 needs;
+6. ZeRO (or stage 0's replicated state) takes the parameters over: flat groups, shards,
+   fp32 masters, gradient hooks.
+
+``"auto"`` config values are resolved before step 1, from the module as the user built
+it (the hidden size DeepSpeed's Trainer integration reads is the unsliced model's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from terascale.comm import DistributedContext, ReducePolicy, broadcast_tensors
+from terascale.comm.sparse import sparse_gradient_params
+from terascale.config import Config
+from terascale.config.section import TORCH_DTYPES
+from terascale.engine.activations import EngineActivations
+from terascale.engine.model_state import ModelState, ReplicatedState
+from terascale.engine.optimizer import OptimizerArg
+from terascale.engine.parallel import ParallelLayout
+from terascale.engine.precision import PrecisionPolicy
+from terascale.offload import optimizer_offload, param_offload
+from terascale.parallel.tensor import auto_tp
+from terascale.zero import ShardedState, WrapPolicy, ZeroOptions
+from terascale.zero.grads import GradPolicy
+from terascale.zero.schedule import SchedulePolicy
+from terascale.zero.tiling import tile_linears
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    """The user's ``module`` made trainable: ``activations`` (its checkpointed blocks),
+    ``layout`` (who counts which gradient), ``state`` (where parameters, gradients and
+    fp32 masters live) and the ``precision`` it computes in."""
+
+    module: nn.Module
+    precision: PrecisionPolicy
+    activations: EngineActivations
+    layout: ParallelLayout
+    state: ModelState
+
+
+def prepare_model(
+    module: nn.Module,
+    config: Config,
+    dist_ctx: DistributedContext,
+    *,
+    wrap_policy: WrapPolicy | None = None,
+    optimizer: OptimizerArg = None,
+    model_parameters: Iterable[Any] | None = None,
+) -> PreparedModel:
+    """Apply the steps of ``[Note: the order of model preparation]`` to ``module`` in place.
+
+    ``config`` is resolved (no ``"auto"`` left). The optimizer's parameter groups come
+    from a client ``optimizer``'s groups, else ``model_parameters``, else every trainable
+    parameter. Collective over every rank (broadcast, tensor-parallel slicing, ZeRO).
+    """
+    wrap = wrap_policy or WrapPolicy()
+    if config.tensor_parallel.autotp_size > 1:
+        auto_tp(module, dist_ctx.mp_group)
+
+    precision = PrecisionPolicy(compute_dtype=config.compute_dtype)
+    module.to(device=dist_ctx.device, dtype=precision.compute_dtype)
+    broadcast_tensors([t.data for t in module.parameters()] + list(module.buffers()), dist_ctx.dp_group)
+
+    if config.zero_optimization.tile_linear_above is not None:
+        if isinstance(optimizer, torch.optim.Optimizer) or model_parameters is not None:
+            raise ValueError(
+                "zero_optimization.tile_linear_above replaces big nn.Linear layers (and their parameters) "
+                "inside terascale.initialize, so an optimizer or model_parameters built before it would "
+                "hold the old ones: use the config's 'optimizer' section or pass optimizer as a callable"
+            )
+        tile_linears(module, int(config.zero_optimization.tile_linear_above))
+    param_groups = user_param_groups(module, optimizer, model_parameters)
+
+    activations = EngineActivations(module, config, dist_ctx, wrap)
+    layout = ParallelLayout.build(module, dist_ctx)
+    state = build_model_state(module, param_groups, config, dist_ctx, precision, wrap, layout.classes)
+    return PreparedModel(module, precision, activations, layout, state)
+
+
+def user_param_groups(
+    module: nn.Module, optimizer: OptimizerArg, model_parameters: Iterable[Any] | None
+) -> list[dict]:
+    """The optimizer groups the user asked for, as dicts over the module's parameters.
+
+    From a client optimizer's groups, else ``model_parameters`` (tensors or dicts of
+    options), else every parameter with ``requires_grad``. Each parameter appears once.
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer.state:
+            raise ValueError(
+                "the optimizer passed to terascale.initialize already has state; construct it "
+                "fresh over model.parameters() (terascale gives it fp32 master weights)"
+            )
+        raw: list[Any] = [dict(g) for g in optimizer.param_groups]
+    elif model_parameters is not None:
+        raw = list(model_parameters)
+    else:
+        raw = [p for p in module.parameters() if p.requires_grad]
+    if raw and not isinstance(raw[0], dict):
+        raw = [{"params": raw}]
+    in_module = {id(p) for p in module.parameters()}
+    seen: set[int] = set()
+    groups = []
+    for group in raw:
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        kept = []
+        for p in params:
+            if id(p) not in in_module:
+                raise ValueError("model_parameters contains a tensor that is not a parameter of the model")
+            if not p.requires_grad:
+                raise ValueError("model_parameters contains a parameter with requires_grad=False")
+            if id(p) not in seen:
+                seen.add(id(p))
+                kept.append(p)
+        groups.append({**group, "params": kept})
+    return groups
+
+
+def build_model_state(
+    module: nn.Module,
+    param_groups: Sequence[dict],
+    config: Config,
+    dist_ctx: DistributedContext,
+    precision: PrecisionPolicy,
+    wrap_policy: WrapPolicy | None = None,
+    param_classes: Mapping[int, Hashable] | None = None,
+) -> ModelState:
+    """The model state for ``config.zero_optimization.stage`` (see ``[Note: model state]``).
+
+    With ``sparse_gradients`` the weights of ``module``'s sparse embeddings are named in
+    the reduce policy (see ``[Note: sparse gradients]``), fixed here for every rank alike.
+    """
+    zero = config.zero_optimization
+    sparse = sparse_gradient_params(module) if config.sparse_gradients else frozenset()
+    if zero.stage == 0:
+        policy = ReducePolicy(**_reduction(config), accum_dtype=config.grad_accum_dtype, sparse_params=sparse)
+        return ReplicatedState(module, param_groups, precision, dist_ctx.dp_group, policy, dist_ctx.device)
+    options = zero_options(config, wrap_policy)
+    if sparse:
+        options = dataclasses.replace(options, grads=dataclasses.replace(options.grads, sparse_params=sparse))
+    return ShardedState(
+        module,
+        param_groups,
+        options,
+        dist_ctx.dp_group,
+        dtype=precision.compute_dtype,
+        device=dist_ctx.device,
+        param_classes=param_classes,
+    )
+
+
+def zero_options(config: Config, wrap: WrapPolicy | None = None) -> ZeroOptions:
+    """The :class:`ZeroOptions` ``config.zero_optimization`` (stage 1-3) asks for.
+
+    Gradients accumulate in ``data_types.grad_accum_dtype`` when given, else in the
+    compute dtype as DeepSpeed's ZeRO does (this is what the ZeRO memory formulas count).
+    """
+    zero = config.zero_optimization
+    accum = config.data_types.grad_accum_dtype
+    return ZeroOptions(
+        stage=zero.stage,
+        grads=GradPolicy(
+            **_reduction(config),
+            reduce_every_micro_step=zero.stage >= 2,
+            dtype=TORCH_DTYPES[accum] if accum else config.compute_dtype,
+            overlap=zero.overlap_comm,
+            reduce_scatter=zero.reduce_scatter,
+        ),
+        wrap=wrap or WrapPolicy(),
+        schedule=SchedulePolicy(
+            prefetch_numel=int(zero.prefetch_bucket_size),
+            max_live_numel=int(zero.max_live_parameters),
+            max_reuse_distance=int(zero.max_reuse_distance),
+        ),
+        persistence_threshold=int(zero.param_persistence_threshold),
+        sub_group_size=int(zero.sub_group_size),
+        allgather_bucket_numel=int(zero.allgather_bucket_size),
+        offload_optimizer=optimizer_offload(config),
+        offload_param=param_offload(config),
+        allow_untested_optimizer=config.zero_allow_untested_optimizer,
+    )
+
+
+def _reduction(config: Config) -> dict[str, Any]:
+    """How gradients are reduced, the same at every stage: bucket size, communication
+    dtype, pre-scaling and pre-division, sparse reduction of sparse embeddings."""
+    return {
+        "bucket_numel": int(config.zero_optimization.reduce_bucket_size),
+        "comm_dtype": config.communication_dtype,
+        "prescale": config.prescale_gradients,
+        "predivide_factor": config.gradient_predivide_factor,
+        "sparse_gradients": config.sparse_gradients,
+    }
