@@ -402,7 +402,8 @@ class Checkpointer:
             for name, b in buffers.items():
                 reader.read_into(Span(BUFFER, name, 0, b.numel()), b.data)
         if not load_module_only:
-            self._restore(m.engine, optimizer=with_optim, scheduler=load_lr_scheduler_states, data_position=data_position)
+            self._restore(m.engine, optimizer=with_optim, scheduler=load_lr_scheduler_states,
+                          data_position=data_position)  # fmt: skip
             rank = dist.get_rank()
             if rank < len(m.rng):
                 _set_rng_state(m.rng[rank])

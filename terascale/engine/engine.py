@@ -185,7 +185,8 @@ class Engine(nn.Module):
         gas = self.gradient_accumulation_steps
         self._train.add_loss(loss, 1 if scale_wrt_gas else gas)
         scale = self.loss_scaler.scale / (gas if scale_wrt_gas else 1)
-        self._backward(self.is_gradient_accumulation_boundary(), lambda: (loss.float() * scale).backward(retain_graph=retain_graph))
+        sync = self.is_gradient_accumulation_boundary()
+        self._backward(sync, lambda: (loss.float() * scale).backward(retain_graph=retain_graph))
 
     def run_backward(
         self, tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None = None, *, sync: bool
@@ -226,7 +227,8 @@ class Engine(nn.Module):
         applied, norm = outcome
         self._train.step_done(applied=applied, grad_norm=norm, samples=self.train_batch_size)
         loss_scale = self.loss_scale if self.config.fp16.enabled else None
-        self._observe.step_ends(self._train.take_window_loss(), self.get_lr()[0], loss_scale)
+        self._observe.step_ends(self.get_lr()[0], loss_scale)  # reads the window's loss where it reports
+        self._train.reset_window_loss()
         self.activations.log_profile(self._train.global_steps)
         self._resilience.after_step()
 

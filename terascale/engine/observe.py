@@ -134,11 +134,11 @@ class Observer:
             self._step_started = time.perf_counter()
             self._profiler.start()
 
-    def step_ends(self, loss: torch.Tensor, lr: float, loss_scale: float | None) -> None:
-        """After an optimizer step (the train state already counts it): close the profiled
-        step and the trace window's step, write the step's metrics (``loss``: the window's
-        summed loss, a device tensor read only when reported; ``loss_scale`` with fp16, else
-        None) and at print steps the line. Collective at print steps."""
+    def step_ends(self, lr: float, loss_scale: float | None) -> None:
+        """After an optimizer step (the train state already counts it, and still holds the
+        window's summed loss): close the profiled step and the trace window's step, write
+        the step's metrics (``loss_scale`` with fp16, else None) and at print steps the
+        line. Collective at print steps."""
         self._step_open = False
         self._window_steps += 1
         if self._profiler is not None:
@@ -149,7 +149,7 @@ class Observer:
         want_print = bool(every) and self._train.global_steps % every == 0  # the same on every rank
         if not (want_print or self._reporter.writes):
             return
-        value = float(loss) / self._train.gradient_accumulation_steps
+        value = float(self._train.window_loss) / self._train.gradient_accumulation_steps
         metrics = {"Train/Samples/train_loss": value, "Train/Samples/lr": lr}
         if loss_scale is not None:
             metrics["Train/Samples/loss_scale"] = loss_scale

@@ -110,11 +110,9 @@ class TrainState:
         self.window_loss.copy_(mean_loss.detach() * self.gradient_accumulation_steps)
         self.micro_steps += self.gradient_accumulation_steps - 1
 
-    def take_window_loss(self) -> torch.Tensor:
-        """The window's summed loss (a device tensor: reading it syncs), and reset the sum."""
-        total = self.window_loss.clone()
+    def reset_window_loss(self) -> None:
+        """The finished window's loss has been reported (or dropped): start the next sum."""
         self.window_loss.zero_()
-        return total
 
     def step_done(self, *, applied: bool, grad_norm: float | None, samples: int) -> None:
         """The optimizer step at the window's end ran (``applied``) or was skipped: count it
@@ -131,7 +129,7 @@ class TrainState:
     def rolled_back(self) -> None:
         """The window was abandoned for a checkpoint (its counters come from there)."""
         self.clear_window()
-        self.window_loss.zero_()
+        self.reset_window_loss()
 
     def set_counters(self, **counters: int) -> None:
         """Set counters by name (``global_steps``, ``micro_steps``, ``global_samples``,

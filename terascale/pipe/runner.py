@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from terascale.comm import ops
+from terascale.engine.data import to_device
 from terascale.pipe.p2p import Partitioning, Payload, StageComm, float_tensors
 from terascale.pipe.schedule import Instr, Op, StageGrid, forward_only, last_backward, train_schedule
 
@@ -272,7 +273,7 @@ class PipelineRunner:
             run.batches.pop(ins.mb)
             loss = outputs
             if run.compute_loss and self.loss_fn is not None:
-                loss = self.loss_fn(outputs, _to_device(labels, self.device))
+                loss = self.loss_fn(outputs, to_device(labels, self.device))
             if run.keep_outputs:
                 run.outputs.append(outputs)
             if run.compute_loss:
@@ -315,13 +316,3 @@ class PipelineRunner:
             src = dist.get_process_group_ranks(self.pp_group)[-1]
             ops.broadcast(out, src=src, group=self.pp_group)
         return out
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj
