@@ -6,7 +6,7 @@ VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.terascale-installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup test demo demo-nvme bench clean
+.PHONY: setup test test-all demo demo-nvme bench gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,12 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
+# `make test` leaves out the tests marked slow (the long tail of the architecture sweep)
+# to stay within the suite's time budget; `make test-all` runs everything.
 test: $(STAMP)
+	$(VPY) -m pytest -q -m "not slow"
+
+test-all: $(STAMP)
 	$(VPY) -m pytest -q
 
 # Train (checkpoints every 50 steps), resume from step 100 in a fresh job and compare its
@@ -36,6 +41,27 @@ demo-nvme: $(STAMP)
 
 bench: $(STAMP)
 	$(VPY) bench/step_time.py
+
+# On a lent GPU machine (no package index there), first thing in the session:
+#   make gpu-check GPU_OUT=$OUT        (with .whl/ carried; see DEVELOPERS.md)
+# CUDA tests, single-GPU benchmarks against DeepSpeed, the suite's one-rank tests on the GPU;
+# summary.json/summary.md/log.txt in GPU_OUT. Without a CUDA device it says so and exits 0.
+GPU_OUT    ?= runs/gpu-check
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) tools/gpu_check.py --out $(GPU_OUT) $(GPU_ARGS)
+
+# What the GPU machine lacks, as wheels in .whl/ (gitignored; carried to the machine):
+# terascale, DeepSpeed as a pure-Python wheel (its ops build there at first use), and the
+# config libraries for that machine's Python 3.12.
+WHEEL_PY := --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 --only-binary=:all:
+gpu-wheels: $(STAMP)
+	rm -rf .whl && mkdir -p .whl
+	$(VPY) -m pip wheel -q --no-deps -w .whl .
+	DS_BUILD_OPS=0 DS_ACCELERATOR=cuda $(VPY) -m pip wheel -q --no-deps --no-build-isolation -w .whl deepspeed==0.19.8
+	$(VPY) -m pip download -q --no-deps $(WHEEL_PY) -d .whl pydantic==2.14.4 pydantic_core==2.50.5 \
+		annotated-types==0.8.0 typing-inspection==0.4.5 hjson==3.1.0
+	@du -sh .whl
 
 clean:
 	rm -rf runs .pytest_cache

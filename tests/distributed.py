@@ -78,13 +78,19 @@ def _entry(
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
-    """Call ``fn(*args)`` on ``world_size`` spawned ranks; return their results by rank."""
+def run_ranks(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, device: str | None = None
+) -> list[Any]:
+    """Call ``fn(*args)`` on ``world_size`` spawned ranks; return their results by rank.
+
+    ``device="cpu"`` keeps the ranks on the CPU where GPUs are present, for tests of what a
+    CPU rank does (its host memory, a trajectory bit-identical to a CPU reference)."""
     import torch
 
     # One process per GPU: where there are enough GPUs the ranks use them (NCCL), else
     # every rank runs on the CPU (gloo).
-    device = None if torch.cuda.device_count() >= world_size else "cpu"
+    if device is None and torch.cuda.device_count() < world_size:
+        device = "cpu"
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts, on the first call
     results: mp.Queue = ctx.Queue()

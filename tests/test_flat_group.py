@@ -133,7 +133,13 @@ def _rank_checks(kept: bool):
     return repr(group)
 
 
-@pytest.mark.parametrize(("world", "kept"), [(1, False), (3, False), (3, True)])
+# Keeping full buffers moves memory between storages (UntypedStorage._swap_data_ptr_, torch
+# newer than 2.11); where it is missing the engine does not keep them (keeps_full_buffers).
+_KEEPS = pytest.mark.skipif(not hasattr(torch.UntypedStorage, "_swap_data_ptr_"),
+                            reason="this torch cannot move memory between storages (2.11 and older)")
+
+
+@pytest.mark.parametrize(("world", "kept"), [(1, False), (3, False), pytest.param(3, True, marks=_KEEPS)])
 def test_flat_group_round_trips(world, kept):
     # World 3 pads (74 elements -> 75) and splits parameters across shards. With ``kept``
     # the full buffers' memory is kept between gathers ([Note: kept full buffers]).
@@ -141,6 +147,7 @@ def test_flat_group_round_trips(world, kept):
     assert all("unsharded" in r for r in reprs)
 
 
+@_KEEPS
 def test_kept_full_buffers_stay_within_their_bound_and_serve_their_size():
     from terascale.zero.flat_group import FullBuffers
 

@@ -157,7 +157,7 @@ def _allocator_policy_rank(path: str) -> list[list[str]]:
 def test_the_host_allocator_policy_follows_the_states_on_nvme(tmp_path):
     # [Note: host memory with an NVMe tier]: a CPU rank maps large blocks while it builds;
     # with under BOUNDED_HOST_MIN_NVME_BYTES on NVMe the heap gets them back.
-    assert run_ranks(_allocator_policy_rank, 1, str(tmp_path)) == [[["map", "reuse"], ["map"]]]
+    assert run_ranks(_allocator_policy_rank, 1, str(tmp_path), device="cpu") == [[["map", "reuse"], ["map"]]]
 
 
 def test_offload_settings_are_checked():

@@ -51,6 +51,8 @@ def config(tmp: Path, *, stage: int = 2, interval: int | None = 3, local: bool =
 def launch(args: list[str], *, timeout: float = 240.0) -> tuple[int, str, float]:
     """Run ``terascale ARGS``; (exit code, output, seconds). Killed whole on a timeout."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    if torch.cuda.device_count() < 2:  # two ranks cannot share one GPU (NCCL): train on the CPU
+        env["TERASCALE_DEVICE"] = "cpu"
     started = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "terascale", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
