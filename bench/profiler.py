@@ -169,7 +169,8 @@ def worker(argv: list[str]) -> None:
 def overhead(a: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         tmp = Path(folder)
-        argv = [sys.executable, "-m", "terascale", "run", "--nproc", "2", __file__, "worker", "--out", str(tmp),
+        argv = [sys.executable, "-m", "terascale", "run", "--nproc", "2", "--no_local_rank", __file__, "worker",
+                "--out", str(tmp),
                 *[f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
                   if k in ("steps", "batch", "seq", "layers", "hidden", "heads", "vocab", "stage", "profile_step")]]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

@@ -339,7 +339,8 @@ def run_job_once(tmp: Path, name: str, config: Path, *, steps: int, width: int, 
     out = tmp / name
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "terascale", "run", "--nproc", "2", "--max-restarts", str(restarts), __file__,
+    cmd = [sys.executable, "-m", "terascale", "run", "--nproc", "2", "--max-restarts", str(restarts),
+           "--no_local_rank", __file__,
            "worker", "--out", str(out), "--config", str(config), "--steps", str(steps), "--kill-step", str(kill_step),
            "--width", str(width), "--layers", str(layers), "--batch", str(batch)]
     if more_configs:

@@ -43,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sample-tokens", type=int, default=300, help="bytes to generate at the end")
     p.add_argument("--prompt", default="def ", help="prompt for the generated sample")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--local_rank", type=int, default=-1, help="passed by terascale run (LOCAL_RANK says the same)")
     p.add_argument("--save-every", type=int, default=0,
                    help="save a checkpoint into OUT/checkpoints every N steps (0: never)")
     p.add_argument("--resume-from", default=None,
@@ -155,16 +156,16 @@ def main(argv: list[str] | None = None) -> dict:
         steps = (cfg.scheduler.params.get("total_num_steps") if cfg.scheduler else None) or 100
     is_main = engine.rank == 0
     device = engine.device
-    gas = engine.gradient_accumulation_steps
-    tokens_per_step = engine.train_batch_size * model_config.block_size
-    flops_per_step = flops_per_iteration(model_config, engine.train_batch_size, model_config.block_size)
+    gas = engine.gradient_accumulation_steps()
+    tokens_per_step = engine.train_batch_size() * model_config.block_size
+    flops_per_step = flops_per_iteration(model_config, engine.train_batch_size(), model_config.block_size)
     if is_main:
         print(
             f"GPT {num_params / 1e6:.1f}M params ({model_config.n_layer} layers, width "
             f"{model_config.n_embd}, context {model_config.block_size}) | corpus {corpus.train.numel() / 1e6:.2f} MB "
             f"train / {corpus.held_out.numel() / 1e6:.2f} MB held out from {len(corpus.train_files)} stdlib files\n"
             f"{engine.world_size} ranks on {device.type} | {engine.precision.compute_dtype} | batch "
-            f"{engine.train_batch_size} x {model_config.block_size} tokens "
+            f"{engine.train_batch_size()} x {model_config.block_size} tokens "
             f"({engine.micro_batch_size} per rank x {gas} accumulation) | {steps} steps",
             flush=True,
         )

@@ -156,6 +156,36 @@ def test_an_integrations_values_fill_autos_and_explicit_values_must_agree():
     ]  # 1 == 1.0 agrees
 
 
+# A published Hugging Face AutoTP config: the batch triplet left to the Trainer.
+HF_AUTOTP = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+             "zero_optimization": {"stage": 1}}  # fmt: skip
+
+
+@pytest.mark.parametrize("tp,world,replicas", [(4, 4, 1), (2, 4, 2), (1, 4, 4)])
+def test_auto_batch_sizes_count_data_parallel_replicas_not_ranks(tp, world, replicas):
+    raw = {**HF_AUTOTP, "tensor_parallel": {"autotp_size": tp}}
+    dp = Config.load(raw).data_parallel_size(world)
+    assert dp == replicas
+    given = {"train_micro_batch_size_per_gpu": Given(2, "micro"), "gradient_accumulation_steps": Given(2, "accumulation")}
+    cfg = _resolve(raw, world=dp, given=given)
+    assert cfg.train_batch_size == 2 * 2 * replicas
+    assert cfg.resolve_batch(dp).train_batch_size == cfg.train_batch_size  # what the engine checks agrees
+    # Counting ranks instead was the defect: 2 × 2 × 4 = 16 for one replica.
+    if replicas < world:
+        with pytest.raises(ConfigError, match=f"train_batch_size 16 != .* × data-parallel world size {replicas}"):
+            Config.load({**raw, "train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
+                         "gradient_accumulation_steps": 2}).resolve_batch(dp)  # fmt: skip
+
+
+def test_the_data_parallel_size_divides_out_every_model_parallel_size():
+    both = Config.load({"train_batch_size": 8, "tensor_parallel": {"tp_size": 2}, "pipeline": {"stages": 2}})
+    assert both.data_parallel_size(8) == 2
+    auto_stages = Config.load({"train_batch_size": 8, "tensor_parallel": {"tp": {"tp_size": 2}}})
+    assert auto_stages.data_parallel_size(8) == 4 and auto_stages.data_parallel_size(8, pipeline_stages=4) == 1
+    with pytest.raises(ConfigError, match="6 ranks do not split into tensor-parallel size 4 × pipeline stages 1"):
+        Config.load({**HF_AUTOTP, "tensor_parallel": {"autotp_size": 4}}).data_parallel_size(6)
+
+
 # -- legacy spellings ---------------------------------------------------------------------------------
 
 

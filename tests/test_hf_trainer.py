@@ -331,3 +331,92 @@ def test_seq2seq_and_trl_sft_trainers_train_on_terascale_as_the_plain_ones(tmp_p
         for (loss, norm, _), (ref_loss, ref_norm, _) in zip(ours, plain):
             assert loss == pytest.approx(ref_loss, rel=1e-5, abs=_LOGGED_LOSS_ROUNDING), (name, ours, plain)
             assert norm == pytest.approx(ref_norm, rel=1e-4), (name, ours, plain)
+
+
+# -- autoTP: batch sizes and data per data-parallel replica ------------------------------------------
+
+
+def _autotp_rank(out: str) -> dict:
+    """The plain Trainer on 4 processes (DDP, one sample each per step) and terascale's with
+    a Hugging Face AutoTP config at tp=4 (one replica, micro-batches of 2, windows of 2) and
+    tp=2 (two replicas, micro-batches of 1, windows of 2): every step takes the same 4
+    samples. Returns the histories, the final weights, the resolved batch sizes and the
+    input ids each rank trained on."""
+    import transformers as hf
+
+    import terascale
+    from terascale.integrations.transformers import Trainer
+
+    def llama():  # heads and kv-heads split over 4 ranks
+        torch.manual_seed(0)
+        config = hf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ)  # fmt: skip
+        return hf.LlamaForCausalLM(config)
+
+    class Recording(Trainer):
+        def training_step(self, model, inputs, *args, **kwargs):
+            self.seen.append(inputs["input_ids"].detach().cpu().clone())
+            return super().training_step(model, inputs, *args, **kwargs)
+
+    data = Tokens(16)
+    # eps well above fp32 noise: sliced and whole matrix products round differently, and
+    # Adam's first steps are sign(g) of near-zero gradients otherwise.
+    common = dict(num_train_epochs=1, adam_epsilon=1e-4)
+    model = llama()
+    plain = hf.Trainer(model=model, args=_args(f"{out}/plain", per_device_train_batch_size=1,
+                                               gradient_accumulation_steps=1, **common), train_dataset=data)  # fmt: skip
+    plain.train()
+    results = {"plain": (_history(plain), {k: v.detach().clone() for k, v in model.state_dict().items()})}
+    for tp, micro in ((4, 2), (2, 1)):
+        config = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                  "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                  "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": tp}}  # fmt: skip
+        if tp == 4:  # the config's optimizer; at tp=2 the Trainer's own, built before the slicing
+            config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                               "weight_decay": "auto"}}  # fmt: skip
+        trainer = Recording(model=llama(), args=_args(f"{out}/tp{tp}", per_device_train_batch_size=micro,
+                                                      gradient_accumulation_steps=2, **common),
+                            train_dataset=data, config=config)  # fmt: skip
+        trainer.seen = []
+        trainer.train()
+        results[f"tp{tp}"] = (_history(trainer), trainer.engine.full_state_dict())
+        results[f"tp{tp}/resolved"] = {r.path: r.value for r in trainer.engine.config.resolved}
+        results[f"tp{tp}/seen"] = torch.cat(trainer.seen)
+        trainer.engine.destroy()
+    # Without the Trainer: "auto" train_batch_size from the other two and the replicas.
+    config = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "tensor_parallel": {"autotp_size": 4}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}  # fmt: skip
+    engine, *_ = terascale.initialize(model=llama(), config=config)
+    results["initialize"] = engine.config.train_batch_size
+    engine.destroy()
+    return results
+
+
+def test_autotp_batch_sizes_and_data_follow_the_data_parallel_replicas(tmp_path):
+    """A published AutoTP config ("auto" batch triplet) on 4 ranks: train_batch_size counts
+    replicas (world / tp), tensor-parallel peers see the same samples, and training is the
+    plain Trainer's on the same samples per step."""
+    results = run_ranks(_autotp_rank, 4, str(tmp_path), timeout=400)
+    ref_history, ref_state = results[0]["plain"]
+    assert len(ref_history) == 4
+    for tp, micro in ((4, 2), (2, 1)):
+        name = f"tp{tp}"
+        replicas = 4 // tp
+        for rank, r in enumerate(results):
+            resolved = r[name + "/resolved"]
+            assert resolved["train_micro_batch_size_per_gpu"] == micro, (name, resolved)
+            assert resolved["train_batch_size"] == micro * 2 * replicas, (name, resolved)
+            # The ranks of one tensor-parallel group train on the same samples; replicas on others.
+            peer = results[rank // tp * tp]
+            assert torch.equal(r[name + "/seen"], peer[name + "/seen"]), (name, rank)
+        if replicas > 1:
+            assert not torch.equal(results[0][name + "/seen"], results[tp][name + "/seen"]), name
+        history, state = results[0][name]
+        assert len(history) == len(ref_history), (name, history)
+        for (loss, norm, lr), (ref_loss, ref_norm, ref_lr) in zip(history, ref_history):
+            assert loss == pytest.approx(ref_loss, rel=1e-5, abs=_LOGGED_LOSS_ROUNDING), (name, history, ref_history)
+            assert norm == pytest.approx(ref_norm, rel=1e-4), (name, history, ref_history)
+            assert lr == pytest.approx(ref_lr, rel=1e-6), name
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v.float(), rtol=1e-4, atol=1e-5, msg=f"{name}: {k}")
+    assert [r["initialize"] for r in results] == [4] * 4

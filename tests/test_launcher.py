@@ -197,6 +197,51 @@ def test_launch_options_errors():
         LaunchOptions(script="t.py", max_restarts=-1)
 
 
+def test_core_lists_and_each_ranks_share(tmp_path):
+    from terascale.launcher.cores import parse_core_list, rank_cores, usable_cores
+
+    assert parse_core_list("1,3-5,7") == [1, 3, 4, 5, 7]  # DeepSpeed's example
+    assert parse_core_list("0-3") == [0, 1, 2, 3] and parse_core_list("6") == [6]
+    for bad, message in (("3-1", "from a lower to a higher"), ("0-3,2", "ascending"), ("a", "not a core number"),
+                         ("1,,2", "not a core number"), ("-1", "not a core number")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            parse_core_list(bad)
+    # Equal runs in order; the remainder stays unused (DeepSpeed's split).
+    cores = list(range(10))
+    assert [rank_cores(cores, 3, r) for r in range(3)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    with pytest.raises(ValueError, match=r"2 core\(s\) \(0-1\) cannot give each of the 3 processes"):
+        rank_cores([0, 1], 3, 0)
+    # One CPU per physical core: hyperthread siblings (same package and core id) count once.
+    sysfs = tmp_path / "cpu"
+    for cpu, (package, core) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1), (0, 0), (0, 1), (1, 0), (1, 1)]):
+        topology = sysfs / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text(f"{package}\n")
+        (topology / "core_id").write_text(f"{core}\n")
+    assert usable_cores(range(8), sysfs) == [0, 1, 2, 3]
+    assert usable_cores([1, 5, 6], sysfs) == [1, 6]
+    assert usable_cores([0, 9], sysfs) == [0, 9]  # cpu9's topology is unknown: every CPU counts
+
+
+def test_the_rank_shim_passes_local_rank_and_binds_cores_like_deepspeed():
+    """`terascale run` runs the script through terascale.launcher.worker when it passes
+    --local_rank or binds cores; torchrun's own parser reads the command as intended."""
+    ns = build_parser().parse_args(["run", "--nproc", "2", "--bind_core_list", "0-3", "t.py", "--no_local_rank"])
+    assert (ns.no_local_rank, ns.bind_cores_to_rank, ns.bind_core_list) == (False, False, "0-3")
+    assert ns.script_args == ["--no_local_rank"]  # the script's, after the script
+    opts = LaunchOptions(script="t.py", script_args=("--x", "1"), local_rank_arg=True, bind_core_list="0-3")
+    ns = _torchrun_parse(torchrun_args(opts, nproc_per_node=2))
+    assert ns.module and ns.training_script == "terascale.launcher.worker"
+    assert ns.training_script_args == ["--local_rank_arg", "--bind_cores_to_rank", "--bind_core_list=0-3", "t.py",
+                                       "--x", "1"]  # fmt: skip
+    ns = _torchrun_parse(torchrun_args(LaunchOptions(script="pkg.train", module=True, local_rank_arg=True), 1))
+    assert ns.training_script_args == ["--local_rank_arg", "--module", "pkg.train"]
+    plain = torchrun_args(LaunchOptions(script="t.py"), 1)  # neither: torchrun runs the script itself
+    assert _torchrun_parse(plain).training_script == "t.py"
+    with pytest.raises(ValueError, match="--bind_core_list '2-1'"):
+        LaunchOptions(script="t.py", bind_core_list="2-1")
+
+
 # ---------------------------------------------------------------------------
 # environment files and ssh commands
 
@@ -362,6 +407,71 @@ def test_real_run_single_node_two_procs(tmp_path):
     assert all(r["world_size"] == 2 and r["result"] == 3.0 for r in recs)
     assert sorted(r["local_rank"] for r in recs) == [0, 1]
     assert all(r["argv"] == ["x y"] for r in recs)
+    # As DeepSpeed's launcher: --local_rank=N first among the script's arguments.
+    assert all(r["local_rank_arg"] == f"--local_rank={r['local_rank']}" for r in recs)
+
+
+def _cores_available(n: int) -> bool:
+    from terascale.launcher.cores import usable_cores
+
+    return len(usable_cores()) >= n
+
+
+@pytest.mark.skipif(not _cores_available(2), reason="needs two physical cores")
+def test_real_run_binds_each_rank_to_its_cores(tmp_path):
+    from terascale.launcher.cores import usable_cores
+
+    every = usable_cores()
+    half = len(every) // 2
+    listed = every[:2]
+    cases = [  # (flag, the cores of local ranks 0 and 1)
+        ("--bind_cores_to_rank", [every[:half], every[half : 2 * half]]),  # every physical core, halved
+        (f"--bind_core_list={listed[0]},{listed[1]}", [listed[:1], listed[1:]]),
+    ]
+    for i, (flag, expected) in enumerate(cases):
+        out = tmp_path / str(i)
+        out.mkdir()
+        # OMP_NUM_THREADS=1 in the caller's environment: binding sets it to the share's size.
+        proc = _start(["run", "--nproc", "2", flag, "--no_local_rank", str(SCRIPTS / "allreduce_worker.py"), str(out)])
+        rc, text = _finish(proc, time.monotonic() + TIMEOUT_S)
+        assert rc == 0, text
+        recs = _records(out)
+        assert [r["cpus"] for r in sorted(recs, key=lambda r: r["local_rank"])] == expected, (flag, recs)
+        share = str(len(expected[0]))
+        assert all(r["omp_num_threads"] == share and str(r["torch_threads"]) == share for r in recs), (flag, recs)
+        assert all(r["local_rank_arg"] is None and r["result"] == 3.0 for r in recs), (flag, recs)
+
+
+def test_run_refuses_core_binding_that_cannot_work(tmp_path):
+    """Checked before any rank starts: usage errors, exit code 2."""
+    from terascale.launcher.cores import usable_cores
+
+    core = usable_cores()[0]
+    one = _start(["run", "--nproc", "2", "--bind_core_list", str(core), str(SCRIPTS / "record_env.py"), str(tmp_path)])
+    rc, out = _finish(one, time.monotonic() + TIMEOUT_S)
+    assert rc == 2 and f"1 core(s) ({core}) cannot give each of the 2 processes" in out, out
+    bad = _start(["run", "--nproc", "1", "--bind_core_list", "1-0", str(SCRIPTS / "record_env.py"), str(tmp_path)])
+    rc, out = _finish(bad, time.monotonic() + TIMEOUT_S)
+    assert rc == 2 and "'1-0' is not a range from a lower to a higher core" in out, out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_real_run_of_a_deepspeed_style_script(tmp_path):
+    """A script parsing --local_rank next to deepspeed.add_config_arguments (``import
+    terascale as deepspeed``), launched as DeepSpeed's examples are."""
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
+                                  "optimizer": {"type": "Adam", "params": {"lr": 0.01}}}))  # fmt: skip
+    proc = _start(["run", "--nproc", "2", str(SCRIPTS / "deepspeed_style.py"), "--out", str(tmp_path), "--deepspeed",
+                   "--deepspeed_config", str(config)])  # fmt: skip
+    rc, out = _finish(proc, time.monotonic() + TIMEOUT_S)
+    assert rc == 0, out
+    recs = _records(tmp_path)
+    assert [r["rank"] for r in recs] == [0, 1]
+    for r in recs:
+        assert r["local_rank"] == r["env_local_rank"] == r["rank"]
+        assert r["deepspeed"] is True and r["deepspeed_config"] == str(config)
+        assert r["losses"][1] < r["losses"][0]
 
 
 def test_real_run_two_nodes_on_localhost(tmp_path):
@@ -406,6 +516,7 @@ def test_real_run_hostfile_over_fake_ssh(tmp_path):
     recs = _records(out_dir)
     assert [r["rank"] for r in recs] == [0, 1] and all(r["world_size"] == 2 for r in recs)
     assert all(r["marker"] == "from env file" and r["argv"] == ["it's a b"] for r in recs)
+    assert all(r["local_rank_arg"] == f"--local_rank={r['local_rank']}" for r in recs)  # remote hosts too
     by_host = {r["fake_host"]: r for r in recs}
     assert by_host["nodeA"]["cuda_visible_devices"] == "1"  # a subset of nodeA's two slots
     assert by_host["nodeB"]["cuda_visible_devices"] is None

@@ -144,3 +144,19 @@ def test_config_optimizer_save_resume_and_manual_optimization(tmp_path):
     assert r["first"] + r["rest"] == r["whole"]
     assert "latest" in r["files"] and "checkpoint" in r["files"]
     torch.testing.assert_close(torch.tensor(r["manual"]), torch.tensor(r["ddp_manual"]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_tensor_parallel_group_is_one_data_parallel_replica():
+    """With tensor parallelism the sampler shards over replicas (world / tp), not ranks:
+    the ranks of one tensor-parallel group must see the same samples."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from terascale.integrations.lightning import TerascaleStrategy
+
+    for tp, rank, expected in ((2, 3, {"num_replicas": 2, "rank": 1}), (4, 3, {"num_replicas": 1, "rank": 0}),
+                               (1, 3, {"num_replicas": 4, "rank": 3})):  # fmt: skip
+        env = LightningEnvironment()
+        env.set_world_size(4)
+        env.set_global_rank(rank)
+        config = {"train_batch_size": 8, "tensor_parallel": {"autotp_size": tp}}
+        assert TerascaleStrategy(config=config, cluster_environment=env).distributed_sampler_kwargs == expected

@@ -49,7 +49,7 @@ def _train_gpt(out_dir: str, extra: dict) -> list[str]:
     }
     engine, *_ = terascale.initialize(model=model, config=config)
     g = torch.Generator().manual_seed(engine.rank)
-    for _ in range(4 * engine.gradient_accumulation_steps):
+    for _ in range(4 * engine.gradient_accumulation_steps()):
         ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
         engine.backward(engine(ids, ids))
         engine.step()
@@ -134,7 +134,7 @@ def _profile_at_stage(out_dir: str, stage: int, checkpointing: bool) -> list[tup
     engine, *_ = terascale.initialize(model=model, config=config)
     g = torch.Generator().manual_seed(engine.rank)
     losses = []
-    for _ in range(3 * engine.gradient_accumulation_steps):
+    for _ in range(3 * engine.gradient_accumulation_steps()):
         ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
         loss = engine(ids, ids)
         engine.backward(loss)

@@ -199,6 +199,24 @@ class MaskOut(nn.Module):
         return self.fc(inputs[0])
 
 
+class ReluLinear(nn.Sequential):
+    """An in-place ReLU inside a Sequential, then a linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.ReLU(inplace=True), nn.Linear(H, H))
+
+
+class AddBias(nn.Module):
+    """Adds its bias to its input in place: an in-place first op of a layer with parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.linspace(-0.5, 0.5, H))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.add_(self.bias)
+
+
 def head(embedding: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return h @ embedding.weight.t()
 
@@ -218,6 +236,10 @@ def make_layers(kind: str) -> list:
     if kind == "tied":  # the embedding is the output head too
         return [TiedLayerSpec("embed", nn.Embedding, V, H), LayerSpec(Block, H), LayerSpec(Block, H),
                 LayerSpec(nn.LayerNorm, H), TiedLayerSpec("embed", nn.Embedding, V, H, forward_fn=head)]  # fmt: skip
+    if kind == "inplace":  # uniform: stage 1 starts with ReLU(inplace=True) (AlexNet's stage 1 in
+        # DeepSpeed's pipeline example); with 2 virtual stages every later chunk starts in place
+        return [LayerSpec(nn.Linear, IN, H), LayerSpec(Block, H), LayerSpec(ReluLinear), LayerSpec(Block, H),
+                LayerSpec(nn.ReLU, inplace=True), LayerSpec(Block, H), LayerSpec(AddBias), LayerSpec(nn.Linear, H, C)]  # fmt: skip
     assert kind == "tuple"
     return [LayerSpec(MaskIn), LayerSpec(MaskedBlock), LayerSpec(MaskedBlock), LayerSpec(MaskOut)]
 
@@ -555,6 +577,21 @@ def test_pipeline_two_stages_match_single_process(tmp_path) -> None:
         Case(kind="tied", stage=3, virtual=2, ckpt=2),
     ]
     compare(2, 1, cases, run_ranks(_two_stages, 2, cases, str(tmp_path), timeout=240))
+
+
+def test_pipeline_stages_may_start_with_in_place_layers() -> None:
+    """A received activation is the first layer's to modify in place (DeepSpeed's AlexNet
+    pipeline example: stage 1 starts with ReLU(inplace=True)); gradients still reach the
+    previous stage and the losses and weights are plain PyTorch's."""
+    cases = [
+        Case(kind="inplace", partition="uniform"),
+        Case(kind="inplace", stage=2, virtual=2, partition="uniform"),
+        # Stage 1's checkpointed segments: [ReLU(inplace), Block, AddBias], [Linear]. A segment
+        # whose first op modifies its input in place is recomputed from the modified input
+        # (torch's checkpoint refuses it): right for ReLU, which is idempotent, as in DeepSpeed.
+        Case(kind="inplace", stage=1, ckpt=3, partition="uniform"),
+    ]
+    compare(2, 1, cases, run_ranks(train_rank, 2, 2, cases))
 
 
 def test_pipeline_two_stages_two_replicas_zero_stages() -> None:

@@ -40,7 +40,7 @@ def _train(model_name: str, config_name: str, steps: int):
     g = torch.Generator().manual_seed(engine.dist.dp_rank)
     ids = torch.randint(0, 64, (engine.micro_batch_size, 16), generator=g)
     losses = []
-    for _ in range(steps * engine.gradient_accumulation_steps):
+    for _ in range(steps * engine.gradient_accumulation_steps()):
         # The same batch every time: a model that trains drives its loss down.
         out = engine(input_ids=ids, labels=ids)
         engine.backward(out.loss)

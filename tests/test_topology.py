@@ -69,7 +69,7 @@ def _zero_over_dp_rank(stage: int) -> None:
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}  # fmt: skip
     engine, *_ = terascale.initialize(model=make_model(seed=0), config=config, mpu=mpu)
-    assert engine.dist.dp_world_size == 2 and engine.gradient_accumulation_steps == 1
+    assert engine.dist.dp_world_size == 2 and engine.gradient_accumulation_steps() == 1
     plain = make_model(seed=0)
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.0)
     g = torch.Generator().manual_seed(1)

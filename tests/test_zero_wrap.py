@@ -14,6 +14,9 @@ class Block(nn.Module):
         self.fc = nn.Linear(8, 8)
         self.norm = nn.LayerNorm(8)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # a block runs (see [Note: modules that never run])
+        return self.norm(self.fc(x))
+
 
 class Net(nn.Module):
     def __init__(self) -> None:

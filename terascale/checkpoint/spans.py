@@ -33,6 +33,7 @@ MASTER = "master"
 PARAM = "param"
 BUFFER = "buffer"
 OPTIM = "optim/"
+GRAD = "grad"  # a window's reduced gradient (read by DeepSpeed's safe_get_*_grad; never saved)
 
 
 @dataclass(frozen=True)
@@ -64,11 +65,14 @@ class SliceMode(enum.Enum):
     and shape are read: the file header is written before any data). SAVE: the same
     spans with their values. LOAD: every span this rank holds, to be filled in place;
     state written back to its tier after each chunk and pushed into the model at the end.
+    HELD: every span this rank holds, with its values, to be read only (stage 0 holds
+    everything; SAVE splits it over the ranks).
     """
 
     DESCRIBE = "describe"
     SAVE = "save"
     LOAD = "load"
+    HELD = "held"
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ _OPTIMIZER_DEFAULTS = ("optimizer.params.betas", "optimizer.params.eps", "optimi
 
 # What sets each key in the integrations, for the error when nothing here can.
 _SET_BY = {
-    "train_batch_size": "per_device_train_batch_size × gradient_accumulation_steps × world size",
+    "train_batch_size": "per_device_train_batch_size × gradient_accumulation_steps × data-parallel size",
     "train_micro_batch_size_per_gpu": "per_device_train_batch_size (Lightning: the DataLoader's batch_size)",
     "gradient_accumulation_steps": "gradient_accumulation_steps (Lightning: accumulate_grad_batches)",
     "gradient_clipping": "max_grad_norm (Lightning: gradient_clip_val)",

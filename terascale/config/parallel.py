@@ -5,6 +5,14 @@ kernel-injection paths are ignored with a note, near-misspellings of the keys be
 errors). The sizes they give must agree with the topology the model is trained on: the
 engine checks ``pipeline.stages`` against a ``PipelineModule``'s stages and the
 tensor-parallel size against the mpu's group.
+
+[Note: data-parallel size]
+Batch sizes count data-parallel replicas, not ranks: the ranks of one tensor-parallel
+group (and of one pipeline, one sequence-parallel group) work on the same samples, so
+``train_batch_size = micro × accumulation × world / (tp × pp × sp)``, as DeepSpeed's
+config divides the world by its mpu. Where the mpu exists (``terascale.initialize``) its
+data-parallel group says it; before it does (the Trainer and Lightning integrations
+resolve ``"auto"`` first) :func:`data_parallel_size` derives it from the config's sizes.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from terascale.config.errors import ConfigError
 from terascale.config.section import Section
 
 _PARTITIONS = ("best", "parameters", "uniform")
@@ -95,3 +104,17 @@ class TensorParallelConfig(Section):
     def size(self) -> int:
         """The tensor-parallel size asked for (1: none)."""
         return max(self.autotp_size, self.tp_size, self.tp.tp_size, 1)
+
+
+def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1, sp: int = 1) -> int:
+    """The data-parallel replicas of ``world_size`` ranks with tensor-, pipeline- and
+    sequence-parallel sizes ``tp``, ``pp`` and ``sp`` (see [Note: data-parallel size]).
+    Raises ConfigError when they do not divide the world."""
+    model_parallel = tp * pp * sp
+    if world_size % model_parallel:
+        raise ConfigError(
+            f"{world_size} ranks do not split into tensor-parallel size {tp} × pipeline stages {pp} × "
+            f"sequence-parallel size {sp} = {model_parallel}; run on a multiple of {model_parallel} ranks "
+            "or change those sizes"
+        )
+    return world_size // model_parallel

@@ -25,7 +25,7 @@ from terascale.config.elasticity import ElasticityConfig, resolve_elastic_batch
 from terascale.config.errors import ConfigError, from_validation_error, key_names, submodel
 from terascale.config.features import unbuilt_settings
 from terascale.config.health import HealthConfig
-from terascale.config.parallel import PipelineConfig, TensorParallelConfig
+from terascale.config.parallel import PipelineConfig, TensorParallelConfig, data_parallel_size
 from terascale.config.profiling import CommsLoggerConfig, FlopsProfilerConfig, TraceConfig
 from terascale.config.section import TORCH_DTYPES, DtypeName, Section, normalize_dtype_name
 from terascale.config.source import read_source
@@ -445,6 +445,13 @@ class Config(Section):
         if self.communication_data_type is None:
             return None
         return TORCH_DTYPES[self.communication_data_type]
+
+    def data_parallel_size(self, world_size: int, pipeline_stages: int | None = None) -> int:
+        """The data-parallel replicas of ``world_size`` ranks under this config's
+        tensor-parallel, pipeline and sequence-parallel sizes (``pipeline_stages``: the
+        model's, where ``pipeline.stages`` is "auto"); see [Note: data-parallel size]."""
+        stages = self.pipeline.stages if isinstance(self.pipeline.stages, int) else (pipeline_stages or 1)
+        return data_parallel_size(world_size, self.tensor_parallel.size, stages, self.sequence_parallel_size)
 
     def resolve_batch(self, world_size: int) -> BatchSizes:
         """The batch triplet for ``world_size`` data-parallel ranks (DeepSpeed's rules).

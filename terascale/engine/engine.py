@@ -23,6 +23,8 @@ from terascale.config import Config
 from terascale.engine.checkpointing import Checkpointer
 from terascale.engine.clipping import clip_coefficient
 from terascale.engine.data import DataPosition, to_device
+from terascale.engine.direct_backward import DirectBackward
+from terascale.engine.deepspeed_api import _LIVE, DeepSpeedEngineAPI
 from terascale.engine import export
 from terascale.engine.loss_scaler import build_loss_scaler
 from terascale.engine.memory import memory_breakdown
@@ -40,13 +42,14 @@ from terascale.zero.tiling import untiled_state_dict
 logger = logging.getLogger("terascale")
 
 
-class Engine(nn.Module):
+class Engine(DeepSpeedEngineAPI, nn.Module):
     """Trains a prepared module: data-parallel, mixed precision, ZeRO stage 0-3.
 
     Call it like the module for forward; call :meth:`backward` with the loss and
     :meth:`step` after every micro-batch. Gradients are averaged over the data-parallel
     group and the optimizer steps once every ``gradient_accumulation_steps`` micro-batches.
-    Built by :func:`terascale.initialize`.
+    Built by :func:`terascale.initialize`. DeepSpeed's accessors (``gradient_accumulation_steps()``,
+    ``zero_optimization_stage()``, ``no_sync()``, ...) come from :class:`DeepSpeedEngineAPI`.
     """
 
     def __init__(
@@ -63,10 +66,9 @@ class Engine(nn.Module):
         assert not config.auto_keys, f"resolve the config's 'auto' values first: {config.auto_keys}"
         self.config = config
         self.dist = dist_ctx
-        batch = config.resolve_batch(dist_ctx.dp_world_size)
-        self.train_batch_size = batch.train_batch_size
+        # Read through DeepSpeed's methods: train_batch_size(), gradient_accumulation_steps().
+        self._batch = batch = config.resolve_batch(dist_ctx.dp_world_size)
         self.micro_batch_size = batch.micro_batch_size
-        self.gradient_accumulation_steps = batch.gradient_accumulation_steps
         self.module = prepared.module
         self.precision = prepared.precision
         self.activations = prepared.activations
@@ -76,7 +78,7 @@ class Engine(nn.Module):
         self.lr_scheduler = engine_scheduler(lr_scheduler, config, self.optimizer)
         self.loss_scaler = build_loss_scaler(config.fp16)
 
-        train = self._train = TrainState(self.gradient_accumulation_steps, dist_ctx.device)
+        train = self._train = TrainState(batch.gradient_accumulation_steps, dist_ctx.device)
         self._data = DataPosition(training_dataloader)
         self._reporter = Reporter(config, dist_ctx, lambda: train.global_samples)
         self._checkpointer = Checkpointer(
@@ -86,10 +88,17 @@ class Engine(nn.Module):
         self._resilience = Resilience(config, dist_ctx, self._state, train, self._checkpointer, self._reporter)
         self._observe = Observer(
             config, dist_ctx, self.module, self._state, train, self._reporter,
-            compute_dtype=self.precision.compute_dtype, train_batch_size=self.train_batch_size,
+            compute_dtype=self.precision.compute_dtype, train_batch_size=batch.train_batch_size,
             recompute=bool(self.activations.blocks.blocks),
         )  # fmt: skip
+        # loss.backward() on the engine's output runs in the bracket engine.backward opens.
+        self._direct = DirectBackward(
+            lambda: self._backward_bracket(self.is_gradient_accumulation_boundary()),
+            lambda: self.loss_scaler.scale, batch.gradient_accumulation_steps,
+            [p for p in self.module.parameters() if p.requires_grad],
+        )  # fmt: skip
         self._resilience.auto_resume()  # with checkpoint.auto_resume: the newest complete checkpoint
+        _LIVE.add(self)  # for DeepSpeed's per-parameter functions (safe_get_full_grad(param))
 
     # -- properties a training script reads ------------------------------------------------
 
@@ -167,11 +176,13 @@ class Engine(nn.Module):
     # -- the training protocol ---------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the wrapped module; tensor inputs are moved to the engine's device."""
+        """Run the wrapped module; tensor inputs are moved to the engine's device. A loss
+        computed from the output may go to :meth:`backward` or have ``.backward()`` called
+        on it directly (``[Note: direct backward]``)."""
         with self._phase("forward", (args, kwargs)):
             args, kwargs = to_device((args, kwargs), self.device, self._input_cast_dtype())
             with self.activations.forward_context():
-                return self.module(*args, **kwargs)
+                return self._direct.wrap(self.module(*args, **kwargs))
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
         """Backpropagate ``loss`` scaled for accumulation (1/steps, unless ``scale_wrt_gas``
@@ -182,7 +193,7 @@ class Engine(nn.Module):
         """
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
-        gas = self.gradient_accumulation_steps
+        gas = self.gradient_accumulation_steps()
         self._train.add_loss(loss, 1 if scale_wrt_gas else gas)
         scale = self.loss_scaler.scale / (gas if scale_wrt_gas else 1)
         sync = self.is_gradient_accumulation_boundary()
@@ -199,20 +210,33 @@ class Engine(nn.Module):
         def run() -> None:
             if grads is None:
                 (loss,) = tensors
-                (loss.float() * (self.loss_scaler.scale / self.gradient_accumulation_steps)).backward()
+                (loss.float() * (self.loss_scaler.scale / self.gradient_accumulation_steps())).backward()
             elif tensors:
                 torch.autograd.backward(list(tensors), list(grads))
 
         self._backward(sync, run)
 
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale, for a script that runs backward itself:
+        ``engine.scale(loss).backward()`` (DeepSpeed's API; see ``[Note: direct backward]``)."""
+        if loss.dim() != 0:
+            raise ValueError(f"engine.scale expects a scalar loss, got shape {tuple(loss.shape)}")
+        return self._direct.scale(loss)
+
     def _backward(self, sync: bool, run: Callable[[], None]) -> None:
-        """``run`` (one backward) inside the model state's bracket: ``sync`` on the window's
-        last backward, when the gradients are reduced over the data-parallel ranks."""
+        """``run`` (one backward) inside the backward bracket."""
+        with self._backward_bracket(sync), self._direct.engine_backward():
+            run()
+
+    @contextmanager
+    def _backward_bracket(self, sync: bool) -> Iterator[None]:
+        """Around one backward: the model state's bracket (``sync`` on the window's last
+        backward, when the gradients are reduced over the data-parallel ranks)."""
         self._train.backward_ran()
         with self._phase("backward"):
             self._state.prepare_backward(sync=sync)
             self.activations.before_backward()
-            run()
+            yield
             self._state.post_backward()
 
     def step(self) -> None:
@@ -225,7 +249,7 @@ class Engine(nn.Module):
         if outcome is None:  # rolled back: the checkpoint's counters stand
             return
         applied, norm = outcome
-        self._train.step_done(applied=applied, grad_norm=norm, samples=self.train_batch_size)
+        self._train.step_done(applied=applied, grad_norm=norm, samples=self.train_batch_size())
         loss_scale = self.loss_scale if self.config.fp16.enabled else None
         self._observe.step_ends(self.get_lr()[0], loss_scale)  # reads the window's loss where it reports
         self._train.reset_window_loss()
@@ -319,6 +343,7 @@ class Engine(nn.Module):
         """The bracket of every phase: the observer's timer, trace range and token count
         (``inputs``), and the resilience monitors' progress mark, straggler timing
         (``timed``) and failure notice."""
+        self._require_states_resident()
         with self._observe.phase(name, inputs), self._resilience.phase(name, timed=timed):
             yield
 

@@ -16,7 +16,9 @@ gradients and optimizer state, and that is behind :class:`ModelState`:
   in one pass), steps the optimizer and writes the result back into the model;
 - ``zero_grad()``, ``full_state_dict()``, ``memory()`` and ``remove_hooks()``;
 - ``checkpoint_params()`` and ``state_slices(optimizer, mode, optim_keys)``: the state as
-  spans of named tensors for checkpoints (see ``[Note: logical checkpoints]``).
+  spans of named tensors for checkpoints (see ``[Note: logical checkpoints]``);
+  ``grad_slices(mode)``: the window's reduced gradients the same way (read by DeepSpeed's
+  ``safe_get_full_grad``); ``release_gathered()``: free gathered parameters (stage 3).
 
 Stage 0 is :class:`ReplicatedState` (below); stages 1-3 are
 :class:`terascale.zero.ShardedState`, one class whose stage is a set of options;
@@ -35,6 +37,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from terascale.checkpoint.spans import (
+    GRAD,
     MASTER,
     PARAM,
     OptimKey,
@@ -98,6 +101,10 @@ class ModelState(Protocol):
     def state_slices(
         self, optimizer: torch.optim.Optimizer, mode: SliceMode, optim_keys: dict[str, OptimKey] | None = None
     ) -> Iterator[list[Slice]]: ...
+
+    def grad_slices(self, mode: SliceMode) -> list[Slice]: ...
+
+    def release_gathered(self) -> None: ...
 
     def remove_hooks(self) -> None: ...
 
@@ -264,13 +271,8 @@ class ReplicatedState:
         shards of one flat layout over all of them, so ranks write in parallel) and loads
         all of them. One chunk."""
         load = mode is SliceMode.LOAD
-        if load:
-            parts = [(i, 0, p.numel()) for i, (_, p) in enumerate(self._named)]
-        else:
-            layout = FlatLayout.build([(n, p.shape) for n, p in self._named], dist.get_world_size(self._group))
-            parts = [(f.slot, f.start, f.end) for f in layout.fragments(dist.get_rank(self._group))]
         out: list[Slice] = []
-        for i, start, end in parts:
+        for i, start, end in self._parts(mode):
             name, p = self._named[i]
             if self._opt_group[i] < 0:
                 out.append((Span(PARAM, name, start, end), p.data.reshape(-1)[start:end]))
@@ -284,6 +286,30 @@ class ReplicatedState:
         yield out
         if load:
             self._masters.copy_to_model()
+
+    def _parts(self, mode: SliceMode) -> list[tuple[int, int, int]]:
+        """``(parameter index, start, end)`` this rank reads or writes in ``mode``: all of
+        every parameter to load or hold, an even split over the ranks to save."""
+        if mode in (SliceMode.LOAD, SliceMode.HELD):
+            return [(i, 0, p.numel()) for i, (_, p) in enumerate(self._named)]
+        layout = FlatLayout.build([(n, p.shape) for n, p in self._named], dist.get_world_size(self._group))
+        return [(f.slot, f.start, f.end) for f in layout.fragments(dist.get_rank(self._group))]
+
+    def grad_slices(self, mode: SliceMode) -> list[Slice]:
+        """The window's reduced (averaged, still loss-scaled) gradients of the trained
+        parameters as ``grad`` spans, split as :meth:`state_slices` splits (SAVE: each rank
+        a part, HELD: all). Only after the window's last backward."""
+        self._finish()
+        out: list[Slice] = []
+        for i, start, end in self._parts(mode):
+            name, p = self._named[i]
+            grad = self._masters.master_of(p).grad if self._opt_group[i] >= 0 else None
+            if grad is not None:
+                out.append((Span(GRAD, name, start, end), grad.reshape(-1)[start:end]))
+        return out
+
+    def release_gathered(self) -> None:
+        pass  # nothing is gathered at stage 0
 
     def remove_hooks(self) -> None:
         self._buckets.remove_hooks()

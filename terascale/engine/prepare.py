@@ -46,6 +46,7 @@ from terascale.offload import optimizer_offload, param_offload
 from terascale.parallel.tensor import auto_tp
 from terascale.zero import ShardedState, WrapPolicy, ZeroOptions
 from terascale.zero.grads import GradPolicy
+from terascale.zero.leaf import set_z3_leaf_modules, set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix
 from terascale.zero.schedule import SchedulePolicy
 from terascale.zero.tiling import tile_linears
 
@@ -79,8 +80,15 @@ def prepare_model(
     parameter. Collective over every rank (broadcast, tensor-parallel slicing, ZeRO).
     """
     wrap = wrap_policy or WrapPolicy()
+    sliced: dict[int, nn.Parameter] = {}
     if config.tensor_parallel.autotp_size > 1:
+        # An optimizer the caller built (the Hugging Face Trainer builds its own before the
+        # engine exists) holds the unsliced parameters: its groups are read by name below.
+        # ``before`` keeps those alive so that no new parameter can reuse an id in the map.
+        before = list(module.named_parameters())
         auto_tp(module, dist_ctx.mp_group)
+        after = dict(module.named_parameters())
+        sliced = {id(p): after[n] for n, p in before if n in after and after[n] is not p}
 
     precision = PrecisionPolicy(compute_dtype=config.compute_dtype)
     module.to(device=dist_ctx.device, dtype=precision.compute_dtype)
@@ -94,7 +102,7 @@ def prepare_model(
                 "hold the old ones: use the config's 'optimizer' section or pass optimizer as a callable"
             )
         tile_linears(module, int(config.zero_optimization.tile_linear_above))
-    param_groups = user_param_groups(module, optimizer, model_parameters)
+    param_groups = user_param_groups(module, optimizer, model_parameters, sliced)
 
     activations = EngineActivations(module, config, dist_ctx, wrap)
     layout = ParallelLayout.build(module, dist_ctx)
@@ -103,12 +111,21 @@ def prepare_model(
 
 
 def user_param_groups(
-    module: nn.Module, optimizer: OptimizerArg, model_parameters: Iterable[Any] | None
+    module: nn.Module,
+    optimizer: OptimizerArg,
+    model_parameters: Iterable[Any] | None,
+    replaced: Mapping[int, nn.Parameter] | None = None,
 ) -> list[dict]:
     """The optimizer groups the user asked for, as dicts over the module's parameters.
 
     From a client optimizer's groups, else ``model_parameters`` (tensors or dicts of
     options), else every parameter with ``requires_grad``. Each parameter appears once.
+    Frozen parameters (``requires_grad=False``) are left out, as DeepSpeed leaves them
+    out of the optimizer: scripts pass ``model.parameters()`` whole, and models hold
+    frozen tables (Marian's sinusoidal positions). A group may end up empty; it is kept,
+    so that a client optimizer's groups still line up. ``replaced`` maps the id of a
+    parameter the module no longer holds to the one that took its place (tensor-parallel
+    slicing).
     """
     if isinstance(optimizer, torch.optim.Optimizer):
         if optimizer.state:
@@ -131,11 +148,10 @@ def user_param_groups(
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         kept = []
         for p in params:
+            p = (replaced or {}).get(id(p), p)  # sliced by tensor parallelism: the slice
             if id(p) not in in_module:
                 raise ValueError("model_parameters contains a tensor that is not a parameter of the model")
-            if not p.requires_grad:
-                raise ValueError("model_parameters contains a parameter with requires_grad=False")
-            if id(p) not in seen:
+            if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 kept.append(p)
         groups.append({**group, "params": kept})
@@ -161,6 +177,8 @@ def build_model_state(
     if zero.stage == 0:
         policy = ReducePolicy(**_reduction(config), accum_dtype=config.grad_accum_dtype, sparse_params=sparse)
         return ReplicatedState(module, param_groups, precision, dist_ctx.dp_group, policy, dist_ctx.device)
+    if zero.stage == 3 and zero.leaf_module:
+        mark_leaf_modules(module, zero.leaf_module)
     options = zero_options(config, wrap_policy)
     if sparse:
         options = dataclasses.replace(options, grads=dataclasses.replace(options.grads, sparse_params=sparse))
@@ -205,6 +223,27 @@ def zero_options(config: Config, wrap: WrapPolicy | None = None) -> ZeroOptions:
         offload_param=param_offload(config),
         allow_untested_optimizer=config.zero_allow_untested_optimizer,
     )
+
+
+def mark_leaf_modules(module: nn.Module, section: Mapping[str, Any]) -> None:
+    """Mark the leaf modules ``zero_optimization.leaf_module`` names (DeepSpeed's
+    ``classes`` / ``names`` / ``name_suffixes``, each a string or a list), as
+    ``set_z3_leaf_modules`` and its ``_by_name`` / ``_by_suffix`` forms do; entries that
+    match nothing in this model are skipped, as DeepSpeed skips them."""
+    unknown = sorted(set(section) - {"classes", "names", "name_suffixes"})
+    if unknown:
+        raise ValueError(f"zero_optimization.leaf_module: unknown keys {unknown}; expected classes, names, name_suffixes")
+
+    def listed(key: str) -> list[str]:
+        value = section.get(key) or []
+        return [value] if isinstance(value, str) else [str(v) for v in value]
+
+    if listed("classes"):
+        set_z3_leaf_modules(module, listed("classes"), raise_if_not_found=False)
+    if listed("names"):
+        set_z3_leaf_modules_by_name(module, listed("names"), raise_if_not_found=False)
+    if listed("name_suffixes"):
+        set_z3_leaf_modules_by_suffix(module, listed("name_suffixes"), raise_if_not_found=False)
 
 
 def _reduction(config: Config) -> dict[str, Any]:

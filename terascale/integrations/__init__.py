@@ -5,6 +5,8 @@
 - :mod:`terascale.integrations.lightning`: a Lightning ``Strategy``.
 - :mod:`terascale.integrations.peft`: PEFT adapters under ZeRO-3 (adapter-only and
   merged saves).
+- :mod:`terascale.integrations.deepspeed`: DeepSpeed's public names on terascale
+  (``import terascale as deepspeed``; the map is ``deepspeed/names.py``).
 
 Each imports its framework only when used; the rest of terascale never imports them.
 """

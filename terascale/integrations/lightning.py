@@ -161,9 +161,9 @@ class TerascaleStrategy(DDPStrategy):
             if len(optimizers) != 1 or len(schedulers) > 1:
                 raise ValueError("TerascaleStrategy supports one optimizer and at most one LR scheduler")
             optimizer = optimizers[0]
-        config = self.config.resolve(
-            AutoContext(world_size=self.world_size, model=module, given=self._given(trainer))
-        )
+        # Batch sizes count data-parallel replicas ([Note: data-parallel size]).
+        replicas = self.config.data_parallel_size(self.world_size)
+        config = self.config.resolve(AutoContext(world_size=replicas, model=module, given=self._given(trainer)))
         if optimizer is not None:
             config = config.model_copy(update={"zero_allow_untested_optimizer": True})  # as Lightning's does
         self.engine, _, _, _ = initialize(model=module, optimizer=optimizer, config=config)
@@ -196,6 +196,13 @@ class TerascaleStrategy(DDPStrategy):
             if isinstance(size, int):
                 return size
         return 1
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        # The ranks of one tensor-parallel group (consecutive ranks, [Note: topology]) are
+        # one data-parallel replica: they must see the same samples.
+        replicas = self.config.data_parallel_size(self.world_size)
+        return {"num_replicas": replicas, "rank": self.global_rank // self.config.tensor_parallel.size % replicas}
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         pass  # made with the engine in setup

@@ -37,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import transformers
+from accelerate.data_loader import prepare_data_loader
+from torch.utils.data import DataLoader
 
 from terascale.config import AutoContext, Config, Given
 from terascale.engine import Engine
@@ -46,17 +48,21 @@ from terascale.integrations.optimizer import EngineOptimizer
 _SCHEDULER_FILE = "scheduler.pt"
 
 
-def trainer_given(args: Any, num_training_steps: int | None = None) -> dict[str, Given]:
+def trainer_given(
+    args: Any, num_training_steps: int | None = None, data_parallel_size: int | None = None
+) -> dict[str, Given]:
     """What ``TrainingArguments`` say for the config keys the Trainer's DeepSpeed
-    integration fills in (``"auto"``) or checks (explicit values must agree)."""
-    world = int(getattr(args, "world_size", 1))
+    integration fills in (``"auto"``) or checks (explicit values must agree).
+    ``data_parallel_size``: the replicas the batch is spread over (default: every process;
+    with tensor parallelism fewer, see [Note: data-parallel size] in terascale.config.parallel)."""
+    dp = data_parallel_size if data_parallel_size is not None else int(getattr(args, "world_size", 1))
     arg = "TrainingArguments."
     given = {
         "train_micro_batch_size_per_gpu": Given(args.per_device_train_batch_size, arg + "per_device_train_batch_size"),
         "gradient_accumulation_steps": Given(args.gradient_accumulation_steps, arg + "gradient_accumulation_steps"),
         "train_batch_size": Given(
-            world * args.per_device_train_batch_size * args.gradient_accumulation_steps,
-            f"per_device_train_batch_size × gradient_accumulation_steps × world size {world}",
+            dp * args.per_device_train_batch_size * args.gradient_accumulation_steps,
+            f"per_device_train_batch_size × gradient_accumulation_steps × data-parallel size {dp}",
         ),
         "gradient_clipping": Given(args.max_grad_norm, arg + "max_grad_norm"),
         "optimizer.params.lr": Given(args.learning_rate, arg + "learning_rate"),
@@ -148,8 +154,31 @@ class _EngineAccelerator:
 
     def prepare(self, *objects: Any, **kwargs: Any) -> Any:
         ours = (Engine, EngineOptimizer, EngineSchedule)
-        out = [o if isinstance(o, ours) else self._accelerator.prepare(o, **kwargs) for o in objects]
+        out = []
+        for o in objects:
+            if isinstance(o, ours):
+                out.append(o)
+            elif isinstance(o, DataLoader) and self._trainer._data_replicas()[0] < self.num_processes:
+                out.append(self._replica_loader(o))
+            else:
+                out.append(self._accelerator.prepare(o, **kwargs))
         return out[0] if len(out) == 1 else tuple(out)
+
+    def _replica_loader(self, loader: DataLoader) -> Any:
+        """``loader`` sharded over the data-parallel replicas, not the processes: the ranks
+        of a tensor-parallel group must see the same samples (what accelerate's DeepSpeed
+        mode does with DeepSpeed's autoTP mesh)."""
+        replicas, replica = self._trainer._data_replicas()
+        acc = self._accelerator
+        prepared = prepare_data_loader(
+            loader, acc.device, num_processes=replicas, process_index=replica, split_batches=acc.split_batches,
+            put_on_device=acc.device_placement, rng_types=list(acc.rng_types), dispatch_batches=acc.dispatch_batches,
+            even_batches=acc.even_batches, use_seedable_sampler=acc.use_seedable_sampler,
+            data_seed=acc.dataloader_config.data_seed, non_blocking=acc.non_blocking,
+            use_stateful_dataloader=acc.use_stateful_dataloader,
+        )  # fmt: skip
+        acc._dataloaders.append(prepared)  # as accelerate's prepare registers it (save_state)
+        return prepared
 
     def unwrap_model(self, model: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(model, Engine):
@@ -216,12 +245,26 @@ class TerascaleTrainerMixin:
         # Before training the model is whole (nothing is sharded yet): evaluate it as is.
         return self.engine if self.engine is not None else model
 
+    def _data_replicas(self) -> tuple[int, int]:
+        """(data-parallel replicas, this process's replica): with tensor parallelism each
+        tensor-parallel group is one replica (see [Note: data-parallel size] in
+        terascale.config.parallel); its ranks are consecutive ([Note: topology])."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        replicas = self.terascale_config.data_parallel_size(world)
+        return replicas, rank // self.terascale_config.tensor_parallel.size % replicas
+
+    def get_tp_size(self) -> int:
+        # The Trainer divides its process count by this to count batches and tokens (what it
+        # reads from the DeepSpeed config's autotp_size under DeepSpeed).
+        return self.terascale_config.tensor_parallel.size
+
     def _ensure_engine(self, num_training_steps: int | None) -> None:
         if self.engine is not None:
             return
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        given = trainer_given(self.args, num_training_steps)
-        config = self.terascale_config.resolve(AutoContext(world_size=world, model=self.model, given=given))
+        replicas = self._data_replicas()[0]
+        given = trainer_given(self.args, num_training_steps, replicas)
+        config = self.terascale_config.resolve(AutoContext(world_size=replicas, model=self.model, given=given))
         client = self.optimizer if isinstance(self.optimizer, torch.optim.Optimizer) else None
         if client is not None:
             # As the Trainer's DeepSpeed integration does: the optimizer the Trainer built

@@ -55,7 +55,8 @@ def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _launch_options(args: argparse.Namespace, script: str, script_args: Sequence[str] = (), *,
-                    module: bool = False, max_restarts: int = 0) -> LaunchOptions:
+                    module: bool = False, max_restarts: int = 0, local_rank_arg: bool = False,
+                    bind_cores: bool = False, bind_core_list: str | None = None) -> LaunchOptions:
     """The :class:`LaunchOptions` of the arguments :func:`_add_launch_arguments` added."""
     from terascale.launcher.runner import LaunchOptions
 
@@ -71,6 +72,9 @@ def _launch_options(args: argparse.Namespace, script: str, script_args: Sequence
         rdzv_conf=args.rdzv_conf,
         max_restarts=max_restarts,
         module=module,
+        local_rank_arg=local_rank_arg,
+        bind_cores=bind_cores,
+        bind_core_list=bind_core_list,
     )
 
 
@@ -91,6 +95,14 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
                    help="restart the workers up to K times after a failure (default: 0)")
     p.add_argument("-m", "--module", action="store_true",
                    help="treat SCRIPT as a module name, as `python -m` does")
+    p.add_argument("--no_local_rank", "--no-local-rank", dest="no_local_rank", action="store_true",
+                   help="do not pass --local_rank=N to the script (by default it gets it, as DeepSpeed's "
+                   "launcher passes it; LOCAL_RANK is in the environment either way)")
+    p.add_argument("--bind_cores_to_rank", "--bind-cores-to-rank", dest="bind_cores_to_rank", action="store_true",
+                   help="pin each process to an equal share of this node's cores (one per physical core) "
+                   "and set OMP_NUM_THREADS to its size, as DeepSpeed's launcher does")
+    p.add_argument("--bind_core_list", "--bind-core-list", dest="bind_core_list", default=None, metavar="LIST",
+                   help="the cores to share out, e.g. '0-15,32-47' (implies --bind_cores_to_rank)")
     p.add_argument("script", help="training script (or module with --module)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(handler=_run)
@@ -99,7 +111,9 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from terascale.launcher.runner import launch
 
-    opts = _launch_options(args, args.script, args.script_args, module=args.module, max_restarts=args.max_restarts)
+    opts = _launch_options(args, args.script, args.script_args, module=args.module, max_restarts=args.max_restarts,
+                           local_rank_arg=not args.no_local_rank, bind_cores=args.bind_cores_to_rank,
+                           bind_core_list=args.bind_core_list)  # fmt: skip
     return launch(opts, hostfile=args.hostfile, include=args.include, exclude=args.exclude)
 
 

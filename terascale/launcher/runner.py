@@ -9,7 +9,9 @@ rendezvous. This module only decides *which* torchrun command runs *where*:
 * otherwise: c10d rendezvous at ``master_addr:master_port``;
 * with a hostfile: one agent per host, started over ``ssh`` concurrently, with
   the environment (``PYTHONPATH``, ``NCCL_*``, ``.terascale_env`` entries) and
-  the working directory carried over.
+  the working directory carried over;
+* with ``--local_rank=N`` for the script or core binding: torchrun starts the rank
+  shim, which does the per-rank part and execs the script ([Note: the rank shim]).
 
 Command construction is pure (:func:`torchrun_args`, :func:`ssh_commands`,
 ...) so it is testable without ssh; :func:`launch` ties it to processes.
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import IO, TextIO
 
 from terascale.launcher.hostfile import filter_hosts, read_hostfile
+from terascale.launcher.cores import parse_core_list, rank_cores, usable_cores, worker_args
 
 __all__ = [
     "DEFAULT_MASTER_PORT",
@@ -101,6 +104,12 @@ class LaunchOptions:
     every host of the hostfile). ``node_rank`` is accepted for torchrun habits
     and passed through, but c10d rendezvous (always used across nodes) assigns
     node ranks by itself.
+
+    ``local_rank_arg`` passes ``--local_rank=N`` to the script (``terascale run`` does
+    unless ``--no_local_rank``, as DeepSpeed's launcher does); ``bind_cores`` pins each
+    rank to its share of the cores (of ``bind_core_list``, which implies it) and sets
+    ``OMP_NUM_THREADS`` to match. Either runs the script through the rank shim
+    ([Note: the rank shim] in :mod:`terascale.launcher.worker`).
     """
 
     script: str
@@ -114,6 +123,9 @@ class LaunchOptions:
     rdzv_conf: str | None = None  # torchrun's --rdzv_conf, passed as given
     max_restarts: int = 0
     module: bool = False
+    local_rank_arg: bool = False
+    bind_cores: bool = False
+    bind_core_list: str | None = None  # DeepSpeed's syntax, e.g. "0-7,16-23"
 
     def __post_init__(self) -> None:
         if not self.script:
@@ -132,6 +144,12 @@ class LaunchOptions:
             raise ValueError(f"--max_restarts {self.max_restarts}: must be >= 0")
         if self.master_addr is not None and not self.master_addr.strip():
             raise ValueError("--master_addr is empty; give a hostname or IP address")
+        if self.bind_core_list is not None:
+            parse_core_list(self.bind_core_list)  # a malformed list fails here, not in every rank
+
+    @property
+    def binds_cores(self) -> bool:
+        return self.bind_cores or self.bind_core_list is not None
 
 
 # torchrun's c10d rendezvous shares its TCPStore with the workers by default, and after a
@@ -195,6 +213,11 @@ def torchrun_args(opts: LaunchOptions, nproc_per_node: int, python: str = sys.ex
         if opts.node_rank is not None:
             args.append(f"--node_rank={opts.node_rank}")
     args += [f"--nproc_per_node={nproc_per_node}", f"--max_restarts={opts.max_restarts}"]
+    if opts.local_rank_arg or opts.binds_cores:
+        # What differs per rank is done in the rank's process ([Note: the rank shim]).
+        shim = worker_args(opts.script, opts.script_args, module=opts.module, local_rank_arg=opts.local_rank_arg,
+                           bind=opts.binds_cores, core_list=opts.bind_core_list)  # fmt: skip
+        return [*args, "--module", "terascale.launcher.worker", *shim]
     if opts.module:
         args.append("--module")
     args += [opts.script, *opts.script_args]
@@ -483,6 +506,18 @@ def run_remote(
             pump.join(timeout=5.0)
 
 
+def _check_local_cores(opts: LaunchOptions, nproc: int) -> None:
+    """Refuse core binding that cannot work on this machine before any rank starts (each
+    rank checks again, on whichever host it runs)."""
+    if not opts.binds_cores:
+        return
+    cores = parse_core_list(opts.bind_core_list) if opts.bind_core_list is not None else usable_cores()
+    missing = sorted(set(cores) - os.sched_getaffinity(0))
+    if missing:
+        raise ValueError(f"--bind_core_list {opts.bind_core_list}: core(s) {missing} are not available on this machine")
+    rank_cores(cores, nproc, 0)
+
+
 def launch(
     opts: LaunchOptions,
     *,
@@ -503,7 +538,9 @@ def launch(
     if hostfile is None:
         if include or exclude:
             raise ValueError("--include/--exclude select hosts from a --hostfile; give one")
-        argv = torchrun_args(opts, nproc_per_node=opts.nproc or default_nproc())
+        nproc = opts.nproc or default_nproc()
+        _check_local_cores(opts, nproc)
+        argv = torchrun_args(opts, nproc_per_node=nproc)
         return run_local(argv, env=environ)
 
     if opts.node_rank is not None:
@@ -515,6 +552,7 @@ def launch(
         env = dict(environ)
         if slots != list(range(pool[host])):
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
+        _check_local_cores(opts, len(slots))
         argv = torchrun_args(dataclasses.replace(opts, nnodes=None), nproc_per_node=len(slots))
         return run_local(argv, env=env)
 

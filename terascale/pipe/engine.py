@@ -77,7 +77,7 @@ class PipelineEngine(Engine):
             data_iter = self._training_data()
         self.module.train()
         with self._scheduled():
-            return self._runner.train(self, data_iter, self.gradient_accumulation_steps)
+            return self._runner.train(self, data_iter, self.gradient_accumulation_steps())
 
     def eval_batch(self, data_iter: Iterator[Any] | None, return_logits: bool = False, compute_loss: bool = True) -> Any:
         """Forward ``gradient_accumulation_steps`` micro-batches without gradients.
@@ -88,7 +88,7 @@ class PipelineEngine(Engine):
         """
         self.module.eval()
         with self._scheduled():
-            micro_batches = self.gradient_accumulation_steps
+            micro_batches = self.gradient_accumulation_steps()
             loss, logits = self._runner.evaluate(self, data_iter, micro_batches, compute_loss, return_logits)
         return (loss, logits) if return_logits else loss
 

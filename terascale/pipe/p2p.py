@@ -17,6 +17,16 @@ Floating-point tensors that arrive are leaves with ``requires_grad`` when gradie
 enabled (integer tensors - masks, labels passed along - never); their gradients go back,
 zeros where autograd gave none, so every message has a fixed layout.
 
+[Note: in-place first layers]
+The chunk does not get those leaves: autograd refuses an in-place op on a leaf that
+requires grad, and a stage may well start with one (``ReLU(inplace=True)`` starts stage 1
+of DeepSpeed's AlexNet pipeline example; in a plain model that layer's input is an
+intermediate). DeepSpeed hands the chunk a clone of its received buffer; :func:`handoff`
+hands it instead an alias made by an identity autograd function (:class:`_Handoff`):
+a non-leaf over the same storage, whose gradient the function passes on to the leaf, so
+an in-place first layer works and no copy of each activation is made or kept. The leaf's
+values may then change under that layer; nothing reads them again, only its ``.grad``.
+
 [Note: partitioned boundaries]
 With tensor parallelism every tensor-parallel rank of a stage holds the same activation
 at a stage boundary (a row-parallel output is all-reduced; a vocabulary-parallel
@@ -345,6 +355,33 @@ class StageComm:
             comm_ops.recv(data, peer, group=self.group)
             self._recv_sig[chunk] = Signature.decode(bytes(data.cpu().tolist()))
         assert chunk in self._recv_sig, "the first activation of a chunk came without its signature"
+
+
+class _Handoff(torch.autograd.Function):
+    """Identity from a received leaf to the chunk's input (see [Note: in-place first layers])."""
+
+    @staticmethod
+    def forward(ctx: Any, leaf: torch.Tensor) -> torch.Tensor:
+        # Not ``leaf`` itself nor a view of it: autograd would make the output a view of the
+        # leaf, and an in-place op on a view of a leaf is refused just the same.
+        return leaf.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def handoff(payload: Payload) -> Payload:
+    """``payload`` (as :meth:`StageComm.exchange` received it) for the chunk: each tensor
+    that requires grad replaced by an alias an in-place op may modify, whose gradient
+    reaches the received leaf (see [Note: in-place first layers])."""
+
+    def alias(item: Any) -> Any:
+        return _Handoff.apply(item) if isinstance(item, torch.Tensor) and item.requires_grad else item
+
+    if isinstance(payload, tuple):
+        return tuple(alias(item) for item in payload)
+    return alias(payload)
 
 
 def _rebuild(sig: Signature, buffers: list[torch.Tensor], requires_grad: bool) -> Payload:

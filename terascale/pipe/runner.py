@@ -41,7 +41,7 @@ from torch.distributed import ProcessGroup
 
 from terascale.comm import ops
 from terascale.engine.data import to_device
-from terascale.pipe.p2p import Partitioning, Payload, StageComm, float_tensors
+from terascale.pipe.p2p import Partitioning, Payload, StageComm, float_tensors, handoff
 from terascale.pipe.schedule import Instr, Op, StageGrid, forward_only, last_backward, train_schedule
 
 
@@ -265,8 +265,14 @@ class PipelineRunner:
             inputs = self._batch(run, ins.mb)[0]
             if not last:
                 run.batches.pop(ins.mb)  # this stage needs no labels
+            received: list[torch.Tensor] = []
         else:
             inputs = run.inbox.pop(ins)
+            # The leaves keep the gradients to send back; the chunk gets aliases it may
+            # modify in place (see [Note: in-place first layers] in terascale.pipe.p2p).
+            received = float_tensors(inputs)
+            if run.training:
+                inputs = handoff(inputs)
         outputs = driver.forward_chunk(ins.chunk, inputs)
         if last:
             labels = self._batch(run, ins.mb)[1]
@@ -287,7 +293,6 @@ class PipelineRunner:
         else:
             run.outbox[Instr(Op.SEND_ACT, ins.mb, ins.chunk)] = outputs
         if run.training:
-            received = [] if first else float_tensors(inputs)
             run.saved[(ins.mb, ins.chunk)] = (received, outputs)
 
     def _backward(self, driver: StageDriver, run: _Run, ins: Instr, sync: bool) -> None:

@@ -58,7 +58,8 @@ class GatheredParameters:
     With ``modifier_rank`` set, the values that rank holds at exit are written back to
     every rank's shards (and to the fp32 masters an engine trains); otherwise changes are
     discarded. Parameters nobody shards pass through untouched. ``enabled=False`` makes
-    the context a no-op (DeepSpeed's signature).
+    the context a no-op (DeepSpeed's signature). ``fwd_module`` registers the sharded
+    ``params`` as external parameters of that module (``register_external_parameter``).
     """
 
     def __init__(
@@ -68,10 +69,16 @@ class GatheredParameters:
         fwd_module: nn.Module | None = None,
         enabled: bool = True,
     ) -> None:
-        del fwd_module  # DeepSpeed uses it to register external parameters; groups need none
         if isinstance(params, torch.Tensor):
             params = [params]
         self.params = list(params)
+        if fwd_module is not None and enabled:
+            # DeepSpeed's meaning: fwd_module's forward uses these parameters from now on.
+            from terascale.zero.external import register_external_parameter  # external imports this module
+
+            for p in self.params:
+                if owner_of(p) is not None:
+                    register_external_parameter(fwd_module, p)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._held: list[tuple[ParamOwner, list[nn.Parameter], object]] = []

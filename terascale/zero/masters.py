@@ -137,7 +137,13 @@ class ShardedMasters:
         out = []
         for p in self.pieces:
             shard = shards[p.group]
-            assert shard is not None, f"group {p.group} has trainable parameters but no gradient shard"
+            if shard is None:  # reached by a script, not an internal slip: say what to call
+                raise RuntimeError(
+                    f"the optimizer step found no gradient for group {p.group}: no backward of this "
+                    "accumulation window went through the engine. Compute the loss from the engine's "
+                    "forward (engine(batch), not engine.module(batch)) and call engine.backward(loss) "
+                    "or loss.backward() on it before engine.step()"
+                )
             out.append(shard[p.lo : p.hi])
         return out
 

@@ -32,17 +32,49 @@ are not recorded in forward; their recompute is, in backward.
 
 Every rank must run the same modules in the same order (as with any ZeRO-3): the
 all-gathers are collectives.
+
+[Note: parameters read outside their owner]
+The hooks above sit on *units*: the modules that own non-persistent groups, and the root
+(always, so that a forward is known to run). A unit's pre-forward pushes a frame on a
+stack of running units; every group the frame gathered counts as *held* until its
+post-forward pops it. A group is read outside its owner's forward when a module reads
+another's weight (``nn.MultiheadAttention`` reads ``out_proj.weight``), when a block is
+called as ``block.forward(x)`` (no hook runs), or when the unit that owns it never runs.
+Every ``module.weight`` read of a non-persistent parameter is seen ([Note: reading
+module._parameters]); one whose group is not held by a running unit, during a forward,
+
+- gathers the group at once (a collective: every rank runs the same code), and
+- makes it an *external* group of the innermost running unit: from then on that unit
+  gathers it with its own groups in its pre-forward, pre-backward and recompute, frees it
+  after its forward as its own (unless an enclosing unit still holds it), and the trace
+  records it, so it is prefetched like any group. In backward an external group of
+  trainable parameters is freed when its gradients are done, as any group; one of frozen
+  parameters when its unit's inputs have their gradients (or when backward ends).
+
+A unit whose forward returns its own parameter, or a view of it, hands the group to the
+enclosing unit the same way (it is used after the forward that owns it).
+``register_external_parameter(module, param)`` adds the same relation explicitly (for
+reads that go around ``module._parameters``), to the unit that is ``module`` or its
+innermost wrapped ancestor. Reads outside any forward (between steps, in a hook running
+on one rank only) gather nothing: a collective there could be entered by one rank alone.
+They see what the parameter holds, an empty tensor while it is sharded, as with
+DeepSpeed; ``GatheredParameters`` reads parameters in full there. In backward the stack
+holds only recomputes, and a read there gathers without registering anything: the
+forward already registered what it read. A block called through ``.forward`` makes its
+groups externals of the enclosing unit (often the root), which then holds them for
+its whole forward: correct, but without ZeRO-3's saving for that forward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from terascale.zero.external import hook_parameter_reads, registered_external_parameters, restore_parameters
 from terascale.zero.flat_group import FlatParamGroup, ShardState
 from terascale.zero.wrap import GroupPlan
 
@@ -56,21 +88,52 @@ class SchedulePolicy:
     max_reuse_distance: int = 1_000_000_000  # stage3_max_reuse_distance
 
 
-def _grad_tensors(obj: Any) -> list[torch.Tensor]:
+def _tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
-        return [obj] if obj.requires_grad else []
+        return [obj]
     if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _grad_tensors(o)]
+        return [t for o in obj for t in _tensors(o)]
     if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _grad_tensors(o)]
+        return [t for o in obj.values() for t in _tensors(o)]
     return []
 
 
+def _grad_tensors(obj: Any) -> list[torch.Tensor]:
+    return [t for t in _tensors(obj) if t.requires_grad]
+
+
+@dataclass
+class _Unit:
+    """A module whose forward gathers groups: its own (``groups``) and its externals
+    ([Note: parameters read outside their owner])."""
+
+    module: nn.Module
+    groups: list[int]
+    root: bool = False
+    detected: set[int] = field(default_factory=set)  # read in its forward
+    explicit: dict[tuple[int, int], int] = field(default_factory=dict)  # (id(module), id(param)) -> group
+
+    def uses(self) -> list[int]:
+        """Its groups, then its external groups in group order (the same on every rank)."""
+        own = set(self.groups)
+        return self.groups + sorted((self.detected | set(self.explicit.values())) - own)
+
+
+@dataclass
+class _Frame:
+    """A running forward of unit ``unit`` and the groups it holds gathered."""
+
+    unit: int
+    held: list[int]
+
+
 class ParamSchedule:
-    """Gathers and frees the non-persistent ``groups`` around their modules' use."""
+    """Gathers and frees the non-persistent ``groups`` around their modules' use, and
+    wherever ``module`` (the model) reads their parameters in a forward."""
 
     def __init__(
         self,
+        module: nn.Module,
         plans: Sequence[GroupPlan],
         groups: Sequence[FlatParamGroup],
         policy: SchedulePolicy,
@@ -81,48 +144,165 @@ class ParamSchedule:
         # Starts reading an offloaded shard ahead of its gather; False when no buffer is free.
         self._fetch = fetch
         self._dynamic = [not fg.persistent for fg in self.groups]
-        self._root = {g for g, plan in enumerate(plans) if plan.module_name == ""}
         self._has_frozen = [any(k < 0 for k in plan.opt_group) for plan in plans]
+        self._group_of = {id(p): g for g, fg in enumerate(self.groups) if self._dynamic[g] for p in fg.params}
+        by_module: dict[int, _Unit] = {id(module): _Unit(module, [], root=True)}
+        for g, plan in enumerate(plans):
+            if self._dynamic[g]:
+                by_module.setdefault(id(plan.module), _Unit(plan.module, [])).groups.append(g)
+        self._units = list(by_module.values())
+        self._unit_of = _innermost_units(module, {id(u.module): k for k, u in enumerate(self._units)})
+        self._frames: list[_Frame] = []
+        self._held: dict[int, int] = {}  # group -> frames holding it
         self.trace: list[int] = []
         self._events: list[int] = []
         self._cursor = 0
         self._following = False
         self._handles = []
-        for g, plan in enumerate(plans):
-            if self._dynamic[g]:
-                self._handles.append(
-                    plan.module.register_forward_pre_hook(self._pre_forward_hook(g), with_kwargs=True)
-                )
-                self._handles.append(plan.module.register_forward_hook(self._post_forward_hook(g)))
+        for u, unit in enumerate(self._units):
+            self._handles.append(unit.module.register_forward_pre_hook(self._pre_forward_hook(u), with_kwargs=True))
+            self._handles.append(unit.module.register_forward_hook(self._post_forward_hook(u), always_call=True))
+        self._read_hooked = [
+            m for m in module.modules() if self._owns_dynamic(m) and hook_parameter_reads(m, self._on_read)
+        ]
+        for m in module.modules():
+            for p in registered_external_parameters(m):
+                self.add_external(m, p)
         self.gathers = 0  # all-gathers issued (counts for tests and reports)
         self.prefetches = 0  # of which ahead of use, along the trace
 
+    def _owns_dynamic(self, module: nn.Module) -> bool:
+        return any(p is not None and id(p) in self._group_of for p in module._parameters.values())
+
     # -- hooks -------------------------------------------------------------------------------
 
-    def _pre_forward_hook(self, g: int):
+    def _pre_forward_hook(self, u: int):
+        unit = self._units[u]
+
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-            self._use(g)
-            if self._has_frozen[g] and torch.is_grad_enabled():
+            frame = _Frame(u, unit.uses())
+            self._frames.append(frame)
+            for g in frame.held:
+                self._held[g] = self._held.get(g, 0) + 1
+            for g in frame.held:
+                self._use(g)
+            frozen = [g for g in frame.held if self._has_frozen[g]]
+            if frozen and torch.is_grad_enabled():
                 inputs = _grad_tensors((args, kwargs))
                 if inputs:  # the module's backward is done once its inputs have gradients
-                    torch.autograd.graph.register_multi_grad_hook(inputs, lambda grads: self._free(g), mode="all")
+                    torch.autograd.graph.register_multi_grad_hook(
+                        inputs, lambda grads: self._free_all(frozen), mode="all"
+                    )
 
         return hook
 
-    def _post_forward_hook(self, g: int):
+    def _post_forward_hook(self, u: int):
+        unit = self._units[u]
+
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            frame = self._pop(u)
+            if frame is None:
+                return  # the pre-hook did not run (an error before it)
             training = torch.is_grad_enabled()
-            if training:
+            if training and unit.uses():
                 tensors = _grad_tensors(output)
                 if tensors:
-                    torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self._use(g), mode="any")
+                    torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self._use_unit(u), mode="any")
             # A forward inside backward is an activation-checkpoint recompute: the backward
-            # that follows needs the group, and frees it when its gradients are done.
-            keep = self._in_backward() or (training and (g in self._root or self._reused_soon(g)))
-            if not keep and self.groups[g].state is ShardState.UNSHARDED:
-                self.groups[g].reshard(keep_memory=self._gather_of_size_ahead(g))
+            # that follows needs the groups, and frees them when their gradients are done.
+            if self._in_backward():
+                return
+            escaped = self._escaping(frame.held, output)
+            self._hand_to_enclosing(escaped)
+            for g in frame.held:
+                if g in escaped or self._held.get(g) or (training and (unit.root or self._reused_soon(g))):
+                    continue  # still held by an enclosing forward, or kept for what follows
+                if self.groups[g].state is ShardState.UNSHARDED:
+                    self.groups[g].reshard(keep_memory=self._gather_of_size_ahead(g))
 
         return hook
+
+    def _pop(self, u: int) -> _Frame | None:
+        """Take unit ``u``'s innermost frame off the stack (with any frames above it, left
+        by a forward that raised) and release what they hold."""
+        for k in range(len(self._frames) - 1, -1, -1):
+            if self._frames[k].unit == u:
+                popped = self._frames[k:]
+                del self._frames[k:]
+                for frame in popped:
+                    for g in frame.held:
+                        self._held[g] -= 1
+                        if not self._held[g]:
+                            del self._held[g]
+                return popped[0]
+        return None
+
+    def _escaping(self, held: list[int], output: Any) -> set[int]:
+        """The groups of ``held`` that a forward's ``output`` returns a view of (a module
+        returning its own parameter): they are used after the forward, outside it."""
+        full = {}
+        for g in held:
+            fg = self.groups[g]
+            if fg.state is ShardState.UNSHARDED:
+                full[fg.full_buffer.untyped_storage().data_ptr()] = g
+        out: set[int] = set()
+        for t in _tensors(output) if full else ():
+            try:
+                ptr = t.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):  # no storage of its own (sparse, a wrapper subclass)
+                continue
+            if ptr in full:
+                out.add(full[ptr])
+        return out
+
+    def _hand_to_enclosing(self, groups: set[int]) -> None:
+        """Make ``groups`` externals of the innermost running unit, held by its frame. With
+        none running (the root returned them) they stay gathered until backward frees them."""
+        if not groups or not self._frames:
+            return
+        outer = self._frames[-1]
+        for g in sorted(groups):
+            self._units[outer.unit].detected.add(g)
+            if g not in outer.held:
+                outer.held.append(g)
+                self._held[g] = self._held.get(g, 0) + 1
+
+    def _use_unit(self, u: int) -> None:
+        for g in self._units[u].uses():
+            self._use(g)
+
+    def _free_all(self, groups: list[int]) -> None:
+        for g in groups:
+            self._free(g)
+
+    def _on_read(self, param: nn.Parameter) -> None:
+        """A ``module.name`` read of ``param`` (see [Note: parameters read outside their owner])."""
+        g = self._group_of.get(id(param))
+        if g is None or (g in self._held and self.groups[g].state is ShardState.UNSHARDED):
+            return
+        if not self._frames:
+            return  # outside a forward: no collective
+        frame = self._frames[-1]
+        if g not in self._held:
+            if not self._in_backward():
+                self._units[frame.unit].detected.add(g)
+            frame.held.append(g)
+            self._held[g] = 1
+        self._use(g)
+
+    # -- external parameters -----------------------------------------------------------------
+
+    def add_external(self, module: nn.Module, param: nn.Parameter) -> None:
+        """``module``'s forward uses ``param``: gather its group with the unit running it
+        (``register_external_parameter``; no-op for parameters or modules not in this model)."""
+        g, u = self._group_of.get(id(param)), self._unit_of.get(id(module))
+        if g is not None and u is not None:
+            self._units[u].explicit[(id(module), id(param))] = g
+
+    def remove_external(self, module: nn.Module, param: nn.Parameter) -> None:
+        u = self._unit_of.get(id(module))
+        if u is not None:
+            self._units[u].explicit.pop((id(module), id(param)), None)
 
     def on_grads_done(self, g: int) -> None:
         """Every trainable parameter of group ``g`` has its gradient: free it (a group with
@@ -238,3 +418,20 @@ class ParamSchedule:
         for h in self._handles:
             h.remove()
         self._handles = []
+        for m in self._read_hooked:
+            restore_parameters(m)
+        self._read_hooked = []
+
+
+def _innermost_units(root: nn.Module, units: dict[int, int]) -> dict[int, int]:
+    """``id(module)`` -> the unit that is the module or its innermost ancestor with one,
+    for every module of ``root`` (``units``: ``id(unit module)`` -> unit; the root has one)."""
+    names = {id(m): name for name, m in root.named_modules()}
+    by_name = {names[mid]: u for mid, u in units.items() if mid in names}
+    out = {}
+    for name, m in root.named_modules():
+        parts = name.split(".") if name else []
+        while ".".join(parts) not in by_name:
+            parts.pop()
+        out[id(m)] = by_name[".".join(parts)]
+    return out

@@ -47,7 +47,7 @@ from terascale.zero.host import (
 from terascale.zero.masters import NVME_RUN_SPLIT_NUMEL, RUN_SPLIT_NUMEL, ShardedMasters
 from terascale.zero.optimizers import Segments, SumNorms, check_shardable
 from terascale.zero.schedule import ParamSchedule, SchedulePolicy
-from terascale.zero.state_io import sharded_slices
+from terascale.zero.state_io import sharded_grad_slices, sharded_slices
 from terascale.zero.wrap import GroupPlan, WrapPolicy, plan_groups
 
 
@@ -163,7 +163,9 @@ class ShardedState:
         self.masters, self.swapper = self._place_masters(options.offload_optimizer)
         nvme_params = self.params is not None and options.offload_param.device == "nvme"
         self.schedule = (
-            ParamSchedule(self.plans, self.groups, options.schedule, fetch=self.params.fetch if nvme_params else None)
+            ParamSchedule(
+                module, self.plans, self.groups, options.schedule, fetch=self.params.fetch if nvme_params else None
+            )
             if options.stage == 3
             else None
         )
@@ -484,6 +486,21 @@ class ShardedState:
     ) -> Iterator[list[Slice]]:
         """This rank's shards as checkpoint spans, chunk by chunk (see ``[Note: logical checkpoints]``)."""
         return sharded_slices(self, optimizer, mode, optim_keys)
+
+    def grad_slices(self, mode: SliceMode) -> list[Slice]:
+        """This rank's gradient shards as ``grad`` spans (see :func:`sharded_grad_slices`)."""
+        return sharded_grad_slices(self.plans, self.groups, self.grads)
+
+    def release_gathered(self) -> None:
+        """Free every gathered group and the host buffers kept for gathers (DeepSpeed's
+        ``empty_partition_cache``); the next use of a group gathers it again."""
+        for fg in self.groups:
+            if not fg.persistent:
+                fg.wait()
+                if fg.state is ShardState.UNSHARDED:
+                    fg.reshard(keep_memory=False)
+        if self.full_buffers is not None:
+            self.full_buffers.clear()
 
     def group_of(self, param: nn.Parameter) -> FlatParamGroup | None:
         g = self._group_of.get(id(param))

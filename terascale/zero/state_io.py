@@ -15,10 +15,21 @@ from typing import Protocol
 
 import torch
 
-from terascale.checkpoint.spans import MASTER, PARAM, OptimKey, Slice, SliceMode, Span, create_optimizer_state, optimizer_slices
+from terascale.checkpoint.spans import (
+    GRAD,
+    MASTER,
+    PARAM,
+    OptimKey,
+    Slice,
+    SliceMode,
+    Span,
+    create_optimizer_state,
+    optimizer_slices,
+)
 from terascale.offload.optimizer import MASTER_KEY, OptimizerSwapper
 from terascale.offload.params import OffloadedParams
 from terascale.zero.flat_group import FlatParamGroup
+from terascale.zero.grads import ShardedGrads
 from terascale.zero.masters import Piece, ShardedMasters
 from terascale.zero.wrap import GroupPlan
 
@@ -133,4 +144,25 @@ def _run_slices(
             out.extend(
                 optimizer_slices(states[i], name, start, end, offset, with_scalars=with_all_scalars or start == 0)
             )
+    return out
+
+
+def sharded_grad_slices(plans: Sequence[GroupPlan], groups: Sequence[FlatParamGroup], grads: ShardedGrads) -> list[Slice]:
+    """This rank's gradient shards as ``grad`` spans of the trained parameters: the
+    window's reduced, averaged, still loss-scaled gradients (read by DeepSpeed's
+    ``safe_get_*_grad``). A rank holds exactly what it would save, so there is one form.
+    Only after the window's last backward."""
+    if grads.swapper is not None:
+        raise ValueError(
+            "the gradients are in swap files (offload_optimizer.device 'nvme' at stage 2-3), which are not "
+            "readable by parameter; offload the optimizer to 'cpu' to read them"
+        )
+    out: list[Slice] = []
+    for plan, fg, shard in zip(plans, groups, grads.shards):
+        if shard is None:
+            continue
+        for f in fg.layout.fragments(fg.rank):
+            if plan.opt_group[f.slot] >= 0:
+                span = Span(GRAD, fg.layout.slots[f.slot].name, f.start, f.end)
+                out.append((span, shard[f.shard_offset : f.shard_offset + f.numel]))
     return out

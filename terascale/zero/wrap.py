@@ -30,6 +30,22 @@ parameter every tensor-parallel rank holds in full (a norm weight) is counted in
 global gradient norm by one rank only, which is decided per group. The engine therefore
 gives ``plan_groups`` a class per parameter (``classes``), and a module's parameters of
 different classes form different groups, as trainable and frozen ones do.
+
+[Note: modules that never run]
+A group is gathered when its module's forward runs, so a module is wrapped only where
+its forward can run and nothing else reads its parameters in its stead:
+
+- a container without a forward of its own (``ModuleList``, ``ModuleDict``,
+  ``ParameterList``/``ParameterDict``) is never wrapped. When such containers are what
+  repeats (ViT's ``ModuleList([ModuleList([attn, ff])])``, Funnel's block lists), their
+  elements are the blocks;
+- the children of ``nn.MultiheadAttention`` are never wrapped: it reads
+  ``out_proj.weight`` without calling ``out_proj``;
+- a leaf module ([Note: leaf modules]) is wrapped and nothing inside it is.
+
+Code that reads parameters some other way (a block called as ``block.forward(x)``, one
+module reading another's weight) is covered at run time: see [Note: parameters read
+outside their owner] in :mod:`terascale.zero.schedule`.
 """
 
 from __future__ import annotations
@@ -41,6 +57,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from terascale.zero.gather import full_numel
+from terascale.zero.leaf import DEFAULT_LEAF_MODULE_CLASSES, is_leaf
 from terascale.zero.tiling import TiledLinear, tiles_of
 
 
@@ -49,12 +66,18 @@ class WrapPolicy:
     """Which modules become groups.
 
     ``module_classes``: wrap every instance of these classes (e.g. the transformer block).
-    None picks the classes that repeat inside a ``ModuleList``/``Sequential``.
+    None picks the classes that repeat inside a ``ModuleList``/``Sequential`` (where what
+    repeats is a container without a forward, the classes of its elements). Leaf modules
+    are always wrapped; containers, modules inside a leaf and ``nn.MultiheadAttention``'s
+    children never are ([Note: modules that never run]).
     ``min_params``: modules with fewer parameter elements stay in their parent's group.
+    ``leaf_classes``: classes (or class names) that are leaf modules without being marked
+    (DeepSpeed's ``zero_optimization.leaf_module.classes``; its default list by default).
     """
 
     module_classes: tuple[type[nn.Module], ...] | None = None
     min_params: int = 0
+    leaf_classes: tuple[type[nn.Module] | str, ...] = DEFAULT_LEAF_MODULE_CLASSES
 
 
 @dataclass(frozen=True)
@@ -77,6 +100,19 @@ class GroupPlan:
         return sum(full_numel(p) for p in self.params)
 
 
+def runs_forward(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs a forward of its own (containers have none)."""
+    return type(module).forward is not nn.Module.forward
+
+
+def _block_classes(module: nn.Module) -> list[type[nn.Module]]:
+    """The class of ``module``, or for a container without a forward the classes of its
+    elements, recursively ([Note: modules that never run])."""
+    if runs_forward(module):
+        return [type(module)]
+    return [cls for c in module.children() for cls in _block_classes(c)]
+
+
 def _repeated_block_classes(root: nn.Module) -> tuple[type[nn.Module], ...]:
     # A TiledLinear's grid of tiles repeats nn.Linear by construction; it says nothing
     # about the model's blocks (its tiles are groups anyway).
@@ -85,18 +121,32 @@ def _repeated_block_classes(root: nn.Module) -> tuple[type[nn.Module], ...]:
     for m in root.modules():
         if isinstance(m, (nn.ModuleList, nn.Sequential)) and id(m) not in grids:
             counts = Counter(type(c) for c in m.children())
-            found += [cls for cls, n in counts.items() if n >= 2 and cls not in found]
+            repeated = [c for c in m.children() if counts[type(c)] >= 2]
+            found += [cls for c in repeated for cls in _block_classes(c) if cls not in found]
     return tuple(found)
 
 
 def wrapped_modules(root: nn.Module, policy: WrapPolicy) -> dict[str, nn.Module]:
-    """Name -> module for every module that owns a group (the root is ``""``)."""
+    """Name -> module for every module that owns a group (the root is ``""``); see
+    [Note: group plan] and [Note: modules that never run]."""
     classes = policy.module_classes if policy.module_classes is not None else _repeated_block_classes(root)
     out: dict[str, nn.Module] = {"": root}
+
+    def leaf(m: nn.Module) -> bool:
+        return is_leaf(m, policy.leaf_classes)
+
+    if leaf(root):
+        return out
     seen = {id(root)}
     tiles = {id(t) for t in tiles_of(root)}
+    # Read by their parent without being called, or inside a leaf: never wrapped.
+    readers = [m for m in root.modules() if isinstance(m, nn.MultiheadAttention)]
+    leaves = [m for m in root.modules() if m is not root and leaf(m)]
+    excluded = {id(c) for m in readers + leaves for c in m.modules() if c is not m}
     for name, m in root.named_modules():
-        if id(m) in seen or not (isinstance(m, classes) or id(m) in tiles):
+        if id(m) in seen or id(m) in excluded or not runs_forward(m):
+            continue
+        if not (leaf(m) or isinstance(m, classes) or id(m) in tiles):
             continue
         if sum(full_numel(p) for p in m.parameters()) < max(policy.min_params, 1):
             continue

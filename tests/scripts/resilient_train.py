@@ -57,6 +57,7 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--config")
     p.add_argument("--out", required=True)
+    p.add_argument("--local_rank", type=int, default=-1)  # terascale run passes it, as DeepSpeed's launcher does
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--fault", default="none")
     p.add_argument("--reference", action="store_true")
@@ -143,11 +144,11 @@ def train(args: argparse.Namespace) -> None:
         engine.backward(loss)
         if hook is not None:
             hook.remove()
-        window_loss += float(loss.detach()) / engine.gradient_accumulation_steps
+        window_loss += float(loss.detach()) / engine.gradient_accumulation_steps()
         if fault.at(step, "step"):
             os.kill(os.getpid(), signal.SIGKILL)
         engine.step()
-        if engine.micro_steps % engine.gradient_accumulation_steps == 0:
+        if engine.micro_steps % engine.gradient_accumulation_steps() == 0:
             total = torch.tensor([window_loss])
             torch.distributed.all_reduce(total)
             window_loss = 0.0

@@ -1,0 +1,78 @@
+"""DeepSpeed's optimizer classes (``deepspeed.ops.adam``, ``.lamb``, ``.adagrad``) as
+constructors of terascale's and torch's optimizers.
+
+DeepSpeed's ``DeepSpeedCPUAdam`` and ``FusedAdam`` are compiled kernels of Adam/AdamW;
+torch's own ``Adam``/``AdamW`` with ``fused=True`` (or ``foreach``) compute the same update,
+and terascale's ZeRO and host-offload paths know them (``[Note: optimizers on shards]``,
+``terascale/offload/host_adam.py``). So these names build torch's optimizers, with
+DeepSpeed's arguments and defaults, through the same factory as the config's
+``optimizer`` section; ``FusedLamb`` is :class:`terascale.optim.Lamb`, which has its
+signature. They are functions named like DeepSpeed's classes: programs call them, they
+do not subclass them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from terascale.optim import Lamb
+from terascale.optim.factory import build_optimizer
+
+FusedLamb = Lamb
+
+
+def FusedAdam(  # noqa: N802 - DeepSpeed's name
+    params: Iterable[Any],
+    lr: float = 1e-3,
+    bias_correction: bool = True,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    adam_w_mode: bool = True,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+    set_grad_none: bool = True,
+) -> torch.optim.Optimizer:
+    """AdamW (``adam_w_mode``, the default) or Adam with L2 decay; torch's fused kernel
+    where every parameter's device has one."""
+    options = {"lr": lr, "bias_correction": bias_correction, "betas": betas, "eps": eps,
+               "adam_w_mode": adam_w_mode, "weight_decay": weight_decay, "amsgrad": amsgrad}  # fmt: skip
+    return build_optimizer("Adam", options, params)
+
+
+def DeepSpeedCPUAdam(  # noqa: N802 - DeepSpeed's name
+    model_params: Iterable[Any],
+    lr: float = 1e-3,
+    bias_correction: bool = True,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+    adamw_mode: bool = True,
+    fp32_optimizer_states: bool = True,
+) -> torch.optim.Optimizer:
+    """DeepSpeed's host Adam: torch's (fused) Adam/AdamW, which terascale's host offload
+    steps chunk by chunk. ``fp32_optimizer_states=False`` (states in the parameters' dtype)
+    is refused: terascale keeps optimizer state in fp32."""
+    if not fp32_optimizer_states:
+        raise ValueError("DeepSpeedCPUAdam(fp32_optimizer_states=False): terascale keeps optimizer state in fp32")
+    return FusedAdam(model_params, lr, bias_correction, betas, eps, adamw_mode, weight_decay, amsgrad)
+
+
+def DeepSpeedCPUAdagrad(  # noqa: N802 - DeepSpeed's name
+    model_params: Iterable[Any],
+    lr: float = 1e-2,
+    eps: float = 1e-10,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+    fp32_optimizer_states: bool = True,
+) -> torch.optim.Optimizer:
+    """torch's Adagrad (elementwise, so it steps ZeRO shards as it steps whole tensors)."""
+    if amsgrad:
+        raise ValueError("DeepSpeedCPUAdagrad(amsgrad=True): Adagrad has no AMSGrad variant")
+    return torch.optim.Adagrad(model_params, lr=lr, eps=eps, weight_decay=weight_decay, foreach=True)
+
+
+__all__ = ["DeepSpeedCPUAdagrad", "DeepSpeedCPUAdam", "FusedAdam", "FusedLamb"]
