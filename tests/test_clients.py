@@ -44,7 +44,8 @@ def test_cifar_classifier_at_every_stage_and_precision(tmp_path):
     for stage, dtype in [(0, "fp16"), (1, "bf16"), (2, "fp16"), (3, "bf16"), (0, "fp32"), (3, "fp32")]:
         out = tmp_path / f"s{stage}-{dtype}"
         out.mkdir()
-        run("cifar_style.py", "--stage", str(stage), "--dtype", dtype, "--out", str(out))
+        groups = ["--moe-param-group"] if stage == 2 else []
+        run("cifar_style.py", "--stage", str(stage), "--dtype", dtype, "--out", str(out), *groups)
         runs[stage, dtype] = result(out)
         losses = runs[stage, dtype]["losses"]
         assert len(losses) == 12 and all(0 < loss < 10 for loss in losses), (stage, dtype, losses)

@@ -4,6 +4,9 @@ object, ``initialize(args=..., training_data=...)`` returning the loader, the en
 precision queries, evaluation. Only the import line names terascale; the data is random.
 
     terascale run --nproc 2 cifar_style.py --stage 3 --dtype bf16 --out DIR
+
+It imports ``deepspeed.moe.utils``' grouping helper at the top, as the tutorial does (its
+MoE layers themselves are not built in terascale yet).
 """
 
 import argparse
@@ -17,6 +20,7 @@ import torch.nn.functional as F
 
 import terascale as deepspeed
 from terascale.accelerator import get_accelerator
+from terascale.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
 
 def add_argument() -> argparse.Namespace:
@@ -25,6 +29,7 @@ def add_argument() -> argparse.Namespace:
     parser.add_argument("--local_rank", type=int, default=-1, help="local rank passed from the launcher")
     parser.add_argument("--dtype", default="fp32", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--stage", type=int, default=0, choices=[0, 1, 2, 3])
+    parser.add_argument("--moe-param-group", action="store_true", help="parameter groups as the MoE mode makes them")
     parser.add_argument("--out", required=True)
     parser = deepspeed.add_config_arguments(parser)
     return parser.parse_args()
@@ -78,6 +83,9 @@ def main() -> None:
     torch.manual_seed(0)
     net = Net()
     parameters = filter(lambda p: p.requires_grad, net.parameters())
+    if args.moe_param_group:  # the tutorial's MoE grouping; without MoE layers, one plain group
+        parameters = split_params_into_different_moe_groups_for_optimizer(
+            {"params": [p for p in net.parameters() if p.requires_grad], "name": "parameters"})
     model_engine, optimizer, trainloader, __ = deepspeed.initialize(
         args=args, model=net, model_parameters=parameters, training_data=trainset, config=ds_config(args))
 
