@@ -309,3 +309,21 @@ def test_engine_partitions_checkpoints_over_the_mpu_model_parallel_group() -> No
     kept = run_ranks(_engine_partition_rank, 2)
     block_input = 2 * 6 * 16 * 4
     assert kept == [6 * block_input // 2] * 2  # 6 micro-steps, each keeping half a block input per rank
+
+
+def test_a_function_that_changes_its_input_in_place_is_warned_about() -> None:
+    # Its recompute may start from the changed input: wrong gradients unless the change is
+    # idempotent. torch's checkpoint refuses this; terascale says so (once per label).
+    ckpt.configure()
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="changed its input in place"):
+        ckpt.checkpoint(lambda h: linear(h.add_(1.0)), x * 2).sum().backward()
+
+    ckpt.configure()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # out of place: nothing to say
+        ckpt.checkpoint(lambda h: linear(h + 1.0), x * 2).sum().backward()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -135,6 +136,7 @@ class ActivationCheckpointing:
         self.synchronize = synchronize
         self.profile = profile
         self.times: dict[str, BlockTimes] = defaultdict(BlockTimes)
+        self._warned_in_place: set[str] = set()
 
     def checkpoint(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``function(*args, **kwargs)``, keeping only its inputs for backward."""
@@ -168,16 +170,37 @@ class ActivationCheckpointing:
             return forward, self._recomputing(label, snapshot, recompute)
 
         start = self._boundary()
+        inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        versions = [t._version for t in inputs]
         with self.store.hooks(label):
             out = torch_checkpoint.checkpoint(
                 call, *args, *(kwargs[k] for k in keys),
                 use_reentrant=False, preserve_rng_state=False, context_fn=contexts,
             )  # fmt: skip
+        if label not in self._warned_in_place and any(t._version != v for t, v in zip(inputs, versions)):
+            self._warn_in_place(label)
         if self.profile:
             self.times[label].forward_s += self._boundary() - start
         elif self.synchronize:
             self._boundary()
         return out
+
+    def _warn_in_place(self, label: str) -> None:
+        # [Note: inputs changed in place]: the saved input may be the changed tensor itself
+        # (it is not copied where it stays on the device), so the recompute can start from
+        # the changed values. torch's own checkpoint refuses this through version counters,
+        # which the input store's hooks bypass; DeepSpeed's runs it silently. An op whose
+        # repeat changes nothing (ReLU) still gives the right gradients, so this warns
+        # instead of refusing, once per checkpoint label.
+        self._warned_in_place.add(label)
+        warnings.warn(
+            f"activation checkpoint {label!r}: the checkpointed function changed its input in place; "
+            "the recompute in backward may start from the changed values, which gives wrong gradients "
+            "unless repeating the change changes nothing (ReLU). Make the function's first operation "
+            "out of place (inplace=False)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     @contextlib.contextmanager
     def _recomputing(
