@@ -204,6 +204,29 @@ def _comm_rank(config_path: str) -> dict:
     }  # fmt: skip
 
 
+def _explicit_init_rank(port: int) -> tuple[int, int, float, str]:
+    import os
+
+    import terascale as deepspeed
+    from terascale import comm as dist
+
+    # DeepSpeed's explicit rendezvous: rank, world size and init_method, not torchrun's environment
+    # (whose agent-store flag, set by run_ranks, would make rank 0 a client of a store nobody hosts).
+    del os.environ["TORCHELASTIC_USE_AGENT_STORE"]
+    ctx = deepspeed.init_distributed(dist_backend="gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                     rank=int(os.environ["RANK"]), world_size=2)
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return ctx.rank, ctx.world_size, t.item(), ctx.backend
+
+
+def test_init_distributed_from_an_explicit_rank_and_init_method() -> None:
+    from distributed import free_port
+
+    out = run_ranks(_explicit_init_rank, 2, free_port())
+    assert out == [(0, 2, 3.0, "gloo"), (1, 2, 3.0, "gloo")]
+
+
 def test_comm_and_init_distributed_on_two_ranks(tmp_path: Path) -> None:
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps(_config(stage=2, world=2)))

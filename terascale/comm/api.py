@@ -66,19 +66,10 @@ def init_distributed(
     if not dist.is_initialized():
         if dist_init_required is False:
             raise ValueError("init_distributed(dist_init_required=False) but no process group is initialised")
-        if init_method is not None or rank >= 0 or world_size >= 0:
-            if (rank >= 0) != (world_size >= 0):
-                raise ValueError(f"init_distributed: give rank and world_size together (got {rank}, {world_size})")
-            device_type = str(device or os.environ.get("TERASCALE_DEVICE") or
-                              ("cuda" if torch.cuda.is_available() else "cpu"))  # fmt: skip
-            kwargs: dict[str, Any] = {"init_method": init_method or "env://"}
-            if rank >= 0:
-                kwargs.update(rank=rank, world_size=world_size)
-            if timeout is not None:
-                kwargs["timeout"] = timeout
-            default = "nccl" if device_type.startswith("cuda") and dist.is_nccl_available() else "gloo"
-            dist.init_process_group(backend=backend or default, **kwargs)
-    return _init_groups(mpu, backend=backend, device=device, timeout=timeout)
+        if (rank >= 0) != (world_size >= 0):
+            raise ValueError(f"init_distributed: give rank and world_size together (got {rank}, {world_size})")
+    return _init_groups(mpu, backend=backend, device=device, timeout=timeout, init_method=init_method,
+                        rank=rank if rank >= 0 else None, world_size=world_size if world_size >= 0 else None)
 
 
 # -- where this rank is ---------------------------------------------------------------------------

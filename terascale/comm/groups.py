@@ -15,7 +15,7 @@ import functools
 import os
 import time
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -80,10 +80,15 @@ def init_distributed(
     backend: str | None = None,
     device: torch.device | str | None = None,
     timeout: datetime.timedelta | None = None,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
 ) -> DistributedContext:
     """Join (or create) the default process group and describe this rank.
 
-    Under torchrun (``RANK``/``WORLD_SIZE`` set) this initialises the default group from
+    An explicit ``init_method`` or ``rank``/``world_size`` (DeepSpeed's
+    ``init_distributed`` takes them) initialises the default group from them. Otherwise,
+    under torchrun (``RANK``/``WORLD_SIZE`` set) this initialises the default group from
     the environment; with no environment it creates a one-process group, so the rest of
     terascale always has a real group to pass to collectives. An already-initialised
     default group is reused as is. The device is ``cuda:LOCAL_RANK`` when CUDA is
@@ -107,8 +112,12 @@ def init_distributed(
 
     if not dist.is_initialized():
         backend = backend or _default_backend(device.type)
-        kwargs = {"timeout": timeout} if timeout is not None else {}
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
+        if init_method is not None or rank is not None:
+            if rank is not None:
+                kwargs.update(rank=rank, world_size=world_size)
+            dist.init_process_group(backend=backend, init_method=init_method or "env://", **kwargs)
+        elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend=backend, init_method="env://", **kwargs)
         else:
             # A private in-memory store: a single process needs no rendezvous.

@@ -453,6 +453,13 @@ class Config(Section):
         stages = self.pipeline.stages if isinstance(self.pipeline.stages, int) else (pipeline_stages or 1)
         return data_parallel_size(world_size, self.tensor_parallel.size, stages, self.sequence_parallel_size)
 
+    def data_parallel_replica(self, world_size: int, rank: int) -> tuple[int, int]:
+        """(data-parallel replicas, the replica global ``rank`` belongs to), for splitting
+        data before the engine exists: a tensor-parallel group, whose ranks are consecutive
+        ([Note: topology]), is one replica and sees the same samples."""
+        replicas = self.data_parallel_size(world_size)
+        return replicas, rank // self.tensor_parallel.size % replicas
+
     def resolve_batch(self, world_size: int) -> BatchSizes:
         """The batch triplet for ``world_size`` data-parallel ranks (DeepSpeed's rules).
 

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from terascale.engine.export import in_compute_dtype
+
 if TYPE_CHECKING:
     from terascale.engine.engine import Engine
 
@@ -329,8 +331,7 @@ class DeepSpeedEngineAPI:
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
             full = {n: t for n, t in full.items() if n not in frozen}
-        dtype = self.precision.compute_dtype
-        return {n: t.to(dtype) if t.is_floating_point() else t for n, t in full.items()}
+        return in_compute_dtype(self, full)
 
     def save_fp16_model(self: Engine, save_dir: Any, save_filename: str = "pytorch_model.bin") -> bool:
         """DeepSpeed's older name of :meth:`save_16bit_model`."""

@@ -57,6 +57,13 @@ def save_pretrained(engine: Exporting, save_dir: str | Path, **kwargs: Any) -> N
     engine.write_on_ranks(write if engine.dist.rank == 0 else None, f"save_pretrained to {save_dir}")
 
 
+def in_compute_dtype(engine: Exporting, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (a full state dict) with its floating tensors in the engine's compute
+    dtype: the weights a 16-bit save writes."""
+    dtype = engine.precision.compute_dtype
+    return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
+
+
 def save_16bit_model(engine: Exporting, save_dir: str | Path, save_filename: str = "pytorch_model.bin") -> bool:
     """Write the model's weights in the compute dtype to ``save_dir/save_filename`` (rank 0).
 
@@ -72,8 +79,7 @@ def save_16bit_model(engine: Exporting, save_dir: str | Path, save_filename: str
             "zero_optimization.stage3_gather_16bit_weights_on_model_save to true"
         )
         return False
-    dtype = engine.precision.compute_dtype
-    state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in engine.full_state_dict().items()}
+    state = in_compute_dtype(engine, engine.full_state_dict())
     path = Path(save_dir) / save_filename
 
     def write() -> None:

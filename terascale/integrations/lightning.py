@@ -201,8 +201,8 @@ class TerascaleStrategy(DDPStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         # The ranks of one tensor-parallel group (consecutive ranks, [Note: topology]) are
         # one data-parallel replica: they must see the same samples.
-        replicas = self.config.data_parallel_size(self.world_size)
-        return {"num_replicas": replicas, "rank": self.global_rank // self.config.tensor_parallel.size % replicas}
+        replicas, replica = self.config.data_parallel_replica(self.world_size, self.global_rank)
+        return {"num_replicas": replicas, "rank": replica}
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         pass  # made with the engine in setup

@@ -251,8 +251,7 @@ class TerascaleTrainerMixin:
         terascale.config.parallel); its ranks are consecutive ([Note: topology])."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        replicas = self.terascale_config.data_parallel_size(world)
-        return replicas, rank // self.terascale_config.tensor_parallel.size % replicas
+        return self.terascale_config.data_parallel_replica(world, rank)
 
     def get_tp_size(self) -> int:
         # The Trainer divides its process count by this to count batches and tokens (what it
