@@ -252,7 +252,7 @@ def _files_rank(folder: str) -> dict:
     for s in range(2, 5):  # keep_last_n: 2 keeps the two newest
         _train(engine, x, y, range(s, s + 1))
         engine.save_checkpoint(f"{folder}/keep")
-    out["kept"] = sorted(p.name for p in Path(f"{folder}/keep").iterdir())
+    out["kept"] = sorted(p.name for p in Path(f"{folder}/keep").iterdir() if p.name != ".lease")  # the job's lease stays
     out["latest"] = (Path(folder) / "keep/latest").read_text()
     engine.destroy()
 

@@ -25,6 +25,7 @@ from terascale.launcher.env_report import collect_env, format_table, odirect_sta
 from terascale.launcher.hostfile import filter_hosts, parse_hostfile, read_hostfile
 from terascale.launcher.runner import (
     LaunchOptions,
+    launcher_command,
     load_env_files,
     parse_env_file,
     parse_nnodes,
@@ -163,12 +164,39 @@ def test_torchrun_args_single_node_is_standalone():
 
 
 def test_torchrun_args_two_nodes_uses_c10d_at_master():
-    opts = LaunchOptions(script="t.py", nnodes="2", node_rank=1, master_addr="10.1.2.3",
+    opts = LaunchOptions(script="t.py", nnodes="2", master_addr="10.1.2.3",
                          master_port=1234, max_restarts=3, rdzv_id="job7")
-    ns = _torchrun_parse(torchrun_args(opts, nproc_per_node=8))
+    argv = torchrun_args(opts, nproc_per_node=8)
+    ns = _torchrun_parse(argv)
     assert not ns.standalone
     assert (ns.nnodes, ns.rdzv_backend, ns.rdzv_endpoint) == ("2", "c10d", "10.1.2.3:1234")
-    assert (ns.node_rank, ns.rdzv_id, ns.max_restarts, ns.nproc_per_node) == (1, "job7", 3, "8")
+    assert (ns.rdzv_id, ns.max_restarts, ns.nproc_per_node) == ("job7", 3, "8")
+    assert not any(a.startswith("--node_rank") for a in argv)  # c10d would ignore it
+
+
+def test_torchrun_args_node_rank_uses_the_static_rendezvous():
+    """A node rank is honoured (static rendezvous: node R gets ranks R*nproc..) or refused."""
+    opts = LaunchOptions(script="t.py", nnodes="2", node_rank=1, master_addr="10.1.2.3", master_port=1234,
+                         max_restarts=2)  # fmt: skip
+    argv = torchrun_args(opts, nproc_per_node=8)
+    ns = _torchrun_parse(argv)
+    assert (ns.nnodes, ns.rdzv_backend, ns.node_rank) == ("2", "static", 1)
+    assert (ns.master_addr, ns.master_port, ns.max_restarts) == ("10.1.2.3", 1234, 2)
+    assert not any(a.startswith(("--rdzv_endpoint", "--rdzv_conf", "--rdzv_id")) for a in argv)
+    default_port = _torchrun_parse(torchrun_args(LaunchOptions(script="t.py", nnodes="3", node_rank=0,
+                                                               master_addr="h"), 1))  # fmt: skip
+    assert (default_port.rdzv_backend, default_port.master_port) == ("static", 29500)
+    with pytest.raises(ValueError, match="elastic --nnodes 1:4"):
+        LaunchOptions(script="t.py", nnodes="1:4", node_rank=0, master_addr="h")
+    with pytest.raises(ValueError, match="needs --master_addr"):
+        torchrun_args(LaunchOptions(script="t.py", nnodes="2", node_rank=1), 1)
+    with pytest.raises(ValueError, match="--rdzv_conf configures the c10d rendezvous"):
+        torchrun_args(LaunchOptions(script="t.py", nnodes="2", node_rank=1, master_addr="h",
+                                    rdzv_conf="join_timeout=60"), 1)  # fmt: skip
+    ns = build_parser().parse_args(["run", "--nnodes", "2", "--node_rank", "1", "--master_addr", "h", "t.py"])
+    assert (ns.nnodes, ns.node_rank) == ("2", 1)
+    run_help = build_parser()._subparsers._group_actions[0].choices["run"].format_help()
+    assert "torchrun's static rendezvous" in " ".join(run_help.split())
 
 
 def test_torchrun_args_elastic_range_and_defaults():
@@ -322,6 +350,99 @@ def test_ssh_commands_master_override_and_elastic():
         assert env == {}
         ns = _torchrun_parse(argv)
         assert (ns.nnodes, ns.rdzv_endpoint) == ("2:3", "10.0.0.1:5000")
+
+
+# ---------------------------------------------------------------------------
+# --launcher pdsh / mpi / slurm: one command for every host (tools not needed)
+
+
+def test_pdsh_command_starts_one_torchrun_agent_on_every_host():
+    pool = {"n0": 2, "n1": 2}
+    opts = LaunchOptions(script="/work dir/train.py", script_args=("--name", "a b"), local_rank_arg=True)
+    argv, env = launcher_command("pdsh", opts, select_resources(pool), slots_per_host=pool,
+                                 exports={"PYTHONPATH": "/repo"}, cwd="/work dir", rdzv_id="r1",
+                                 launcher_args="-u 60", python="/py")  # fmt: skip
+    assert argv[:-1] == ["pdsh", "-S", "-f", "2", "-w", "n0,n1", "-u", "60"]
+    assert env == {"PDSH_RCMD_TYPE": "ssh"}
+    cwd, exports, agent = _split_remote(argv[-1])
+    assert (cwd, exports) == ("/work dir", {"PYTHONPATH": "/repo"})
+    ns = _torchrun_parse(agent)
+    assert (ns.nnodes, ns.rdzv_backend, ns.rdzv_endpoint, ns.rdzv_id) == ("2", "c10d", "n0:29500", "r1")
+    assert ns.nproc_per_node == "2" and "--node_rank" not in " ".join(agent)  # c10d ranks the agents
+    assert ns.training_script == "terascale.launcher.worker"
+    assert ns.training_script_args == ["--local_rank_arg", "/work dir/train.py", "--name", "a b"]
+    # One command: one slot count, one device list for every host.
+    with pytest.raises(ValueError, match="same number of processes on every host"):
+        launcher_command("pdsh", opts, {"n0": [0, 1], "n1": [0]}, slots_per_host={"n0": 2, "n1": 1}, exports={},
+                         cwd="/w", rdzv_id="r")  # fmt: skip
+    argv, _ = launcher_command("pdsh", opts, {"n0": [1], "n1": [1]}, slots_per_host=pool, exports={}, cwd="/w",
+                               rdzv_id="r")  # fmt: skip
+    assert _split_remote(argv[-1])[1] == {"CUDA_VISIBLE_DEVICES": "1"}
+    with pytest.raises(ValueError, match="every host must use the same slots"):
+        launcher_command("pdsh", opts, {"n0": [0], "n1": [1]}, slots_per_host=pool, exports={}, cwd="/w",
+                         rdzv_id="r")  # fmt: skip
+
+
+def test_mpirun_command_runs_the_script_in_every_rank():
+    pool = {"a": 2, "b": 1}
+    opts = LaunchOptions(script="t.py", script_args=("--x", "1"), master_port=6000)
+    argv, env = launcher_command("mpi", opts, select_resources(pool), slots_per_host=pool,
+                                 exports={"PYTHONPATH": "/repo", "NCCL_DEBUG": "has space"}, cwd="/w", rdzv_id="r",
+                                 launcher_args="--mca btl tcp,self", python="/py")  # fmt: skip
+    assert env == {}
+    assert argv == ["mpirun", "-np", "3", "-H", "a:2,b:1", "--map-by", "slot", "--bind-to", "none", "-wdir", "/w",
+                    "--mca", "btl", "tcp,self", "-x", "PYTHONPATH=/repo", "-x", "NCCL_DEBUG=has space",
+                    "-x", "MASTER_ADDR=a", "-x", "MASTER_PORT=6000", "/py", "-u", "t.py", "--x", "1"]  # fmt: skip
+    # --local_rank and core binding through the rank shim; the user's own binding is kept.
+    shim = LaunchOptions(script="pkg.train", module=True, local_rank_arg=True, bind_cores=True, master_addr="head")
+    argv, _ = launcher_command("mpi", shim, {"a": [0, 1]}, slots_per_host=pool, exports={}, cwd="/w", rdzv_id="r",
+                               launcher_args="--bind-to core", python="/py")  # fmt: skip
+    assert "none" not in argv and argv[argv.index("-x") :] == [
+        "-x", "MASTER_ADDR=head", "-x", "MASTER_PORT=29500", "/py", "-u", "-m", "terascale.launcher.worker",
+        "--local_rank_arg", "--bind_cores_to_rank", "--module", "pkg.train"]  # fmt: skip
+    # Without torchrun's agent: a fixed world, no restarts.
+    for bad, message in ((dict(max_restarts=1), "--max_restarts needs torchrun's agent"),
+                         (dict(nnodes="1:2"), "fixed world"),
+                         (dict(rdzv_conf="join_timeout=900"), "--rdzv_conf configures torchrun's")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            launcher_command("mpi", LaunchOptions(script="t.py", **bad), {"a": [0, 1]}, slots_per_host=pool,
+                             exports={}, cwd="/w", rdzv_id="r")  # fmt: skip
+
+
+def test_srun_command_and_its_environment():
+    pool = {"n1": 4, "n2": 4}
+    opts = LaunchOptions(script="t.py", local_rank_arg=True)
+    hosts = select_resources(pool, include="n1:0,1@n2:0,1")
+    argv, env = launcher_command("slurm", opts, hosts, slots_per_host=pool, exports={"PYTHONPATH": "/repo"},
+                                 cwd="/w", rdzv_id="r", launcher_args="--exclusive", python="/py")  # fmt: skip
+    assert argv == ["srun", "--ntasks", "4", "--ntasks-per-node", "2", "--nodes", "2", "--nodelist", "n1,n2",
+                    "--exclusive", "/py", "-u", "-m", "terascale.launcher.worker", "--local_rank_arg",
+                    "t.py"]  # fmt: skip
+    # srun passes its environment on; no master unless given (the ranks read SLURM's node list).
+    assert env == {"PYTHONPATH": "/repo", "CUDA_VISIBLE_DEVICES": "0,1"}
+    given = LaunchOptions(script="t.py", master_addr="n2", master_port=7000)
+    _, env = launcher_command("slurm", given, {"n1": [0, 1, 2, 3]}, slots_per_host=pool, exports={}, cwd="/w",
+                              rdzv_id="r")  # fmt: skip
+    assert env == {"MASTER_ADDR": "n2", "MASTER_PORT": "7000"}
+    with pytest.raises(ValueError, match="same number of processes"):
+        launcher_command("slurm", opts, {"n1": [0, 1], "n2": [0]}, slots_per_host={"n1": 2, "n2": 1}, exports={},
+                         cwd="/w", rdzv_id="r")  # fmt: skip
+
+
+def test_cli_launcher_choices_and_errors(tmp_path, monkeypatch, capsys):
+    ns = build_parser().parse_args(["run", "--hostfile", "h", "--launcher", "slurm", "--launcher_args", "-p gpu",
+                                    "t.py"])  # fmt: skip
+    assert (ns.launcher, ns.launcher_args) == ("slurm", "-p gpu")
+    assert build_parser().parse_args(["run", "t.py"]).launcher == "torchrun"
+    assert main(["run", "--launcher", "mpi", "t.py"]) == 2
+    assert "starts the hosts of a --hostfile" in capsys.readouterr().err
+    assert main(["run", "--launcher_args=-x", "t.py"]) == 2
+    assert "--launcher_args go to --launcher pdsh, mpi or slurm" in capsys.readouterr().err
+    (tmp_path / "hosts").write_text("n1 slots=1\nn2 slots=1\n")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no srun, no pdsh here
+    for launcher, tool in (("slurm", "srun"), ("pdsh", "pdsh")):
+        assert main(["run", "--hostfile", str(tmp_path / "hosts"), "--launcher", launcher, "t.py"]) == 2
+        assert f"{tool} was not found on PATH" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------
@@ -486,6 +607,23 @@ def test_real_run_two_nodes_on_localhost(tmp_path):
     recs = _records(tmp_path)
     assert [r["rank"] for r in recs] == [0, 1]
     assert all(r["world_size"] == 2 and r["local_rank"] == 0 and r["result"] == 3.0 for r in recs)
+
+
+def test_real_run_node_rank_is_honoured_when_node_1_starts_first(tmp_path):
+    """--nnodes 2 --node_rank R: the static rendezvous gives node 1 global rank 1 even when it
+    arrives first (under c10d the first to arrive would be rank 0)."""
+    port = str(_free_port())
+    common = ["run", "--nnodes", "2", "--nproc", "1", "--master_addr", "127.0.0.1", "--master_port", port]
+    script = [str(SCRIPTS / "record_env.py"), str(tmp_path)]
+    first = _start([*common, "--node_rank", "1", *script], env=_env(TS_TEST_MARKER="node 1"))
+    time.sleep(3.0)  # node 1's agent is up and waiting before node 0 starts
+    second = _start([*common, "--node_rank", "0", *script], env=_env(TS_TEST_MARKER="node 0"))
+    deadline = time.monotonic() + TIMEOUT_S
+    for proc in (first, second):
+        rc, out = _finish(proc, deadline)
+        assert rc == 0, out
+    recs = _records(tmp_path)
+    assert [(r["rank"], r["world_size"], r["marker"]) for r in recs] == [(0, 2, "node 0"), (1, 2, "node 1")]
 
 
 def _fake_ssh_env(tmp_path: Path) -> dict[str, str]:

@@ -150,7 +150,7 @@ def test_lose_a_node_for_good_continue_on_one(uninterrupted: dict, tmp_path: Pat
     args = ["run", "--nnodes", "1:2", "--nproc", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
             # last_call_timeout: how long the first agent waits for the second to join the first
             # rendezvous (the second starts once the first listens: seconds on a busy machine).
-            "--rdzv_conf", "last_call_timeout=4,keep_alive_interval=1,keep_alive_max_attempt=2", "--max-restarts", "2", str(SCRIPT), "--config", str(cfg),
+            "--rdzv_conf", "last_call_timeout=4", "--max-restarts", "2", str(SCRIPT), "--config", str(cfg),
             "--out", str(tmp_path / "run"), "--steps", str(STEPS), "--fault", "leave:5:1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = []
@@ -228,6 +228,19 @@ def test_disk_full_during_a_save_names_the_file_and_keeps_the_last_checkpoint(tm
     directory = CheckpointDirectory(tmp_path / "ckpt")
     assert directory.latest() == "global_step3" and verify(directory.root / "global_step3") is None
     assert not (directory.root / "global_step6").exists()
+
+
+def test_a_disk_full_for_one_save_costs_that_save_and_no_work(uninterrupted: dict, tmp_path: Path) -> None:
+    """The interval save at step 6 fails (rank 1's write: no space); training goes on with a
+    warning, the save at step 9 succeeds, and nothing is trained twice."""
+    rc, out, folder = train(tmp_path, config(tmp_path), "run", "--fault", "enospc_once:5:1")
+    assert rc == 0, out[-3000:]
+    assert "training goes on and saves again now (1 of 2 failures in a row allowed)" in out, out[-3000:]
+    assert ".global_step6.partial/rank00001-of-00002.safetensors" in out, out[-3000:]
+    directory = CheckpointDirectory(tmp_path / "ckpt")
+    assert directory.tags() == ["global_step3", "global_step9", "global_step12"]
+    assert [r["step"] for r in steps(folder)] == list(range(1, STEPS + 1))
+    assert_same(final(folder)["state"], uninterrupted["state"], exact=True)
 
 
 def test_disk_full_during_nvme_swap_names_the_swap_file(tmp_path: Path) -> None:

@@ -18,6 +18,8 @@ import os
 import shutil
 from pathlib import Path
 
+from terascale.checkpoint.client_state import file_problem as client_file_problem
+from terascale.checkpoint.integrity import content_problem
 from terascale.checkpoint.manifest import MANIFEST, CheckpointError, Manifest
 
 LATEST = "latest"
@@ -49,10 +51,12 @@ def copy_durably(source: Path, target: Path) -> None:
         os.fsync(f.fileno())
 
 
-def verify(folder: Path) -> str | None:
-    """None when checkpoint ``folder`` is complete: its manifest parses and every shard
-    file it lists is there with the size it records and a readable safetensors header;
-    otherwise what is wrong. (Values inside a file are not checksummed.)"""
+def verify(folder: Path, *, content: bool = False, share: tuple[int, int] = (0, 1)) -> str | None:
+    """None when checkpoint ``folder`` is complete: its manifest parses, every shard
+    file it lists is there with the size it records and a readable safetensors header, and
+    so are its client-state files (by size); otherwise what is wrong. With ``content``, also re-reads the files this caller's
+    ``share`` ``(i, n)`` of them covers (the ``i``-th, ``i + n``-th, ...: one rank's part,
+    ``[Note: checkpoint checksums]``) and compares their checksums with the manifest's."""
     try:
         manifest = Manifest.read(folder)
     except Exception as exc:  # noqa: BLE001 - any failure to read it makes it unusable
@@ -70,6 +74,12 @@ def verify(folder: Path) -> str | None:
                 json.loads(f.read(header))
         except (OSError, ValueError) as exc:
             return f"'{path}' cannot be read ({exc})"
+    for entry in manifest.client_files:  # [Note: client state as data]
+        if (problem := client_file_problem(folder, entry)) is not None:
+            return problem
+    if content:  # after every file's cheap checks: a missing file is found without reading any
+        index, count = share
+        return content_problem(folder, (manifest.files + manifest.client_files)[index::count])
     return None
 
 

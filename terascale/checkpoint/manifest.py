@@ -4,7 +4,9 @@ It lists every parameter (full shape, dtype, optimizer group, tied aliases), eve
 buffer, the optimizer state keys, and each rank's shard file with the spans it holds
 (see ``[Note: logical checkpoints]``), so that a reader on any layout knows which byte
 ranges of which files to read. Engine state (step counters, loss scaler, scheduler,
-sampler position, optimizer options), every rank's RNG state and the config ride along.
+sampler position, optimizer options), every rank's RNG state and the config ride along,
+and the client-state files' sizes and checksums (``[Note: client state as data]``), so
+that a missing or damaged one is found as a shard file is.
 """
 
 from __future__ import annotations
@@ -41,18 +43,25 @@ def parse_dtype(name: str) -> torch.dtype:
 
 @dataclass
 class ShardFile:
-    """One rank's file: its name in the checkpoint folder, size, and the spans it holds."""
+    """One rank's file: its name in the checkpoint folder, size, the spans it holds, and
+    the checksum of its bytes (``[Note: checkpoint checksums]``; None in older checkpoints)."""
 
     name: str
     nbytes: int
     spans: list[Span]
+    checksum: str | None = None
 
     def to_json(self) -> dict:
-        return {"name": self.name, "nbytes": self.nbytes, "spans": [[s.key, s.name, s.start, s.end] for s in self.spans]}
+        d: dict[str, Any] = {"name": self.name, "nbytes": self.nbytes}
+        if self.checksum is not None:  # an extra key: readers of version 1 and 2 skip it
+            d["checksum"] = self.checksum
+        d["spans"] = [[s.key, s.name, s.start, s.end] for s in self.spans]
+        return d
 
     @staticmethod
     def from_json(d: dict) -> ShardFile:
-        return ShardFile(d["name"], int(d["nbytes"]), [Span(k, n, int(a), int(b)) for k, n, a, b in d["spans"]])
+        spans = [Span(k, n, int(a), int(b)) for k, n, a, b in d["spans"]]
+        return ShardFile(d["name"], int(d["nbytes"]), spans, d.get("checksum"))
 
 
 @dataclass
@@ -71,6 +80,7 @@ class Manifest:
     rng: list[dict] = field(default_factory=list)  # one per saving rank
     config: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. a Hugging Face model config
+    client_files: list[ShardFile] = field(default_factory=list)  # the client state's (no spans)
 
     def stored_dtype(self, key: str, info: ParamInfo) -> torch.dtype:
         """The dtype tensor ``info`` is stored in under ``key``: masters fp32, optimizer state
@@ -104,6 +114,7 @@ class Manifest:
             "rng": self.rng,
             "config": self.config,
             "extra": self.extra,
+            "client_state": [f.to_json() for f in self.client_files],
         }
         try:
             # One line: json's C encoder runs only without indentation, and the RNG states
@@ -148,4 +159,5 @@ class Manifest:
             rng=doc.get("rng", []),
             config=doc.get("config", {}),
             extra=doc.get("extra", {}),
+            client_files=[ShardFile.from_json(f) for f in doc.get("client_state", [])],
         )

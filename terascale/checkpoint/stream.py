@@ -13,6 +13,18 @@ with spaces, which the format allows, so that the data section starts on a 4 KiB
 boundary and every full staging buffer lands at an aligned file offset. Files are read
 back with the ``safetensors`` library itself (``safe_open(...).get_slice``), which reads
 just the byte ranges asked for.
+
+The stream also hashes the file's bytes as they go (:attr:`SafetensorsStream.checksum`,
+``[Note: checkpoint checksums]``). The I/O engine may finish writes in any order, but the
+staging buffers are filled and handed over strictly in file order (each one at the file
+offset where the previous one ended), and one thread hashes them in the order handed
+over, so the hash runs over the file from its first byte to its last. That thread hashes
+a buffer while the next one is filled (the hash releases the GIL): inline, hashing (4 GiB/s)
+would add to the copy into the buffer on the filling thread, and a disk or a device-to-host
+copy faster than about 2 GB/s would then wait for it. (On this 2-CPU machine, disk-bound,
+both measured the same: 288 MiB in 0.15 s with or without the hash.) A buffer goes back to
+the pool once its write has finished, which can be before its hash has: the stream waits
+for the hash before it fills that buffer again.
 """
 
 from __future__ import annotations
@@ -22,12 +34,15 @@ import json
 import math
 import os
 import struct
+from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from terascale.checkpoint.integrity import Checksum
 from terascale.offload.aio import ALIGNMENT, AsyncIO
 from terascale.offload.swap import BufferPool, WriteBehind, round_up
 
@@ -102,6 +117,10 @@ class SafetensorsStream:
         self._data_start = len(head)
         self.nbytes = len(head) + sum(e.nbytes for e in self.entries)
         self._next = 0  # index of the next entry to write
+        self._checksum = Checksum()
+        self._checksum.update(head)
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="terascale-checksum")
+        self._hashing: deque[tuple[torch.Tensor, Future]] = deque()  # buffers handed over, oldest first
         if pool is None:
             pool = BufferPool(max(2, buffer_count))
             pool.reserve(max(ALIGNMENT, round_up(buffer_bytes)))
@@ -137,7 +156,7 @@ class SafetensorsStream:
         total = entry.nbytes
         while done < total:
             if self._buf is None:
-                self._buf = self._writes.acquire()
+                self._buf = self._acquire()
                 # The bytes go as far into the buffer as the file offset is past a block
                 # boundary, so that every piece but the head of the first goes O_DIRECT
                 # (the header makes the data start anywhere).
@@ -149,10 +168,20 @@ class SafetensorsStream:
             if self._fill == self._buf.numel():
                 self._flush()
 
+    def _acquire(self) -> torch.Tensor:
+        """A staging buffer to fill: written and hashed (``[Note: streamed shard files]``)."""
+        buf = self._writes.acquire()
+        while self._hashing and (self._hashing[0][1].done() or any(b is buf for b, _ in self._hashing)):
+            self._hashing.popleft()[1].result()  # one thread hashes in order: the older ones first
+        return buf
+
     def _flush(self) -> None:
         if self._buf is None:
             return
-        self._writes.write(self._buf, self._buf[self._skew : self._fill], self.path, self._offset)
+        data = self._buf[self._skew : self._fill]
+        self._writes.write(self._buf, data, self.path, self._offset)
+        # Both the write and the hash only read the buffer.
+        self._hashing.append((self._buf, self._hasher.submit(self._checksum.update, data.numpy())))
         self._offset += self._fill - self._skew
         self._buf = None
 
@@ -165,8 +194,15 @@ class SafetensorsStream:
             self._flush()
             self._writes.drain()
         finally:
+            self._hasher.shutdown(wait=True)  # every buffer hashed: the checksum is the file's
+            self._hashing.clear()
             self.aio.close_file(self.path, fsync=True)
         return self.nbytes
+
+    @property
+    def checksum(self) -> str:
+        """The checksum of every byte written so far (the whole file after :meth:`close`)."""
+        return self._checksum.value
 
     def abort(self) -> None:
         """Stop after an error: wait for writes in flight (ignoring their errors), close the file."""
@@ -178,4 +214,6 @@ class SafetensorsStream:
                 except OSError:
                     continue
         finally:
+            self._hasher.shutdown(wait=True)
+            self._hashing.clear()
             self.aio.close_file(self.path)

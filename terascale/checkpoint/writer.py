@@ -36,7 +36,7 @@ def write_shard(
         except BaseException:
             stream.abort()
             raise
-    return ShardFile(path.name, nbytes, [span for span, _ in described])
+    return ShardFile(path.name, nbytes, [span for span, _ in described], stream.checksum)
 
 
 def snapshot(chunks: Iterable[list[Slice]]) -> list[Slice]:

@@ -3,25 +3,42 @@
 DeepSpeed's module-level functions (``deepspeed.comm``: ``get_rank``, ``all_reduce``,
 ``barrier``, ... over the default group) are here too, from :mod:`terascale.comm.api`;
 terascale's own code never uses them.
+
+Names are imported on first use: the rank shim (``terascale.launcher.worker``) reads
+:mod:`terascale.comm.discovery` before the script runs and must not import torch.
 """
 
-from terascale.comm.api import *  # noqa: F403 - DeepSpeed's deepspeed.comm names
-from terascale.comm.api import __all__ as _deepspeed_names
-from terascale.comm.api import init_distributed
-from terascale.comm.buckets import GradientBuckets, ReducePolicy
-from terascale.comm.collectives import all_gather_flat, all_reduce_flag, broadcast_tensors, reduce_scatter_flat
-from terascale.comm.groups import DistributedContext, ModelParallelUnit, duplicate_group
+from __future__ import annotations
 
-__all__ = sorted({
-    "DistributedContext",
-    "GradientBuckets",
-    "ModelParallelUnit",
-    "ReducePolicy",
-    "all_gather_flat",
-    "all_reduce_flag",
-    "broadcast_tensors",
-    "duplicate_group",
-    "init_distributed",
-    "reduce_scatter_flat",
-    *_deepspeed_names,
-})
+import importlib
+import pkgutil
+from typing import Any
+
+_OWN = {
+    "DistributedContext": "groups",
+    "ModelParallelUnit": "groups",
+    "duplicate_group": "groups",
+    "GradientBuckets": "buckets",
+    "ReducePolicy": "buckets",
+    "all_gather_flat": "collectives",
+    "all_reduce_flag": "collectives",
+    "broadcast_tensors": "collectives",
+    "reduce_scatter_flat": "collectives",
+    "init_distributed": "api",
+}
+
+
+_SUBMODULES = frozenset(m.name for m in pkgutil.iter_modules(__path__))
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:  # `from terascale.comm import ops` asks here before importing it
+        return importlib.import_module(f"terascale.comm.{name}")
+    if name in _OWN:
+        return getattr(importlib.import_module(f"terascale.comm.{_OWN[name]}"), name)
+    api = importlib.import_module("terascale.comm.api")
+    if name == "__all__":
+        return sorted({*_OWN, *api.__all__})
+    if name in api.__all__:
+        return getattr(api, name)
+    raise AttributeError(f"module 'terascale.comm' has no attribute '{name}'")

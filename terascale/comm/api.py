@@ -50,12 +50,14 @@ def init_distributed(
     (see :func:`terascale.comm.groups.init_distributed`). DeepSpeed's form:
     ``init_distributed(dist_backend="nccl", init_method=..., rank=..., world_size=...)``;
     an explicit ``init_method`` or ``rank``/``world_size`` initialises the group from them
-    instead of torchrun's environment. ``auto_mpi_discovery``, ``verbose`` and ``config``
-    are accepted and change nothing (``terascale run`` sets the environment an MPI
-    launch would have to discover). ``dist_init_required=False`` with no group yet is a
-    ValueError, as in DeepSpeed.
+    instead of torchrun's environment. ``auto_mpi_discovery`` (default True, as in
+    DeepSpeed) lets processes started by ``mpirun`` or ``srun`` find each other from their
+    launcher's variables (:mod:`terascale.comm.discovery`); False refuses such a launch
+    rather than run it as separate worlds of one. ``verbose`` and ``config`` are accepted
+    and change nothing. ``dist_init_required=False`` with no group yet is a ValueError,
+    as in DeepSpeed.
     """
-    del auto_mpi_discovery, verbose, config
+    del verbose, config
     if dist_backend is not None and not isinstance(dist_backend, str):
         mpu, dist_backend = dist_backend, None  # terascale's positional mpu
     if dist_backend is not None and backend is not None and dist_backend != backend:
@@ -69,7 +71,8 @@ def init_distributed(
         if (rank >= 0) != (world_size >= 0):
             raise ValueError(f"init_distributed: give rank and world_size together (got {rank}, {world_size})")
     return _init_groups(mpu, backend=backend, device=device, timeout=timeout, init_method=init_method,
-                        rank=rank if rank >= 0 else None, world_size=world_size if world_size >= 0 else None)
+                        rank=rank if rank >= 0 else None, world_size=world_size if world_size >= 0 else None,
+                        discover=auto_mpi_discovery)
 
 
 # -- where this rank is ---------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Process-group set-up: from torchrun's environment, or one process with none.
+"""Process-group set-up: from torchrun's environment, an MPI or SLURM launch, or one process.
 
 terascale never relies on an implicit "current group" deeper than this module: the
 engine receives a :class:`DistributedContext` and passes its ``dp_group`` explicitly to
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from terascale.comm import ops
+from terascale.comm import discovery, ops
 
 
 @runtime_checkable
@@ -83,18 +83,25 @@ def init_distributed(
     init_method: str | None = None,
     rank: int | None = None,
     world_size: int | None = None,
+    discover: bool = True,
 ) -> DistributedContext:
     """Join (or create) the default process group and describe this rank.
 
     An explicit ``init_method`` or ``rank``/``world_size`` (DeepSpeed's
     ``init_distributed`` takes them) initialises the default group from them. Otherwise,
     under torchrun (``RANK``/``WORLD_SIZE`` set) this initialises the default group from
-    the environment; with no environment it creates a one-process group, so the rest of
-    terascale always has a real group to pass to collectives. An already-initialised
-    default group is reused as is. The device is ``cuda:LOCAL_RANK`` when CUDA is
-    available, else the CPU; the ``TERASCALE_DEVICE`` environment variable (``cpu`` or
-    ``cuda``) and then the ``device`` argument override that choice.
+    the environment; processes started by ``mpirun`` (OpenMPI, MPICH, Intel MPI, MVAPICH)
+    or ``srun`` first export what their launcher says as torchrun's variables
+    (:mod:`terascale.comm.discovery`; ``discover=False`` refuses such a launch instead);
+    with no launcher it creates a one-process group, so the rest of terascale always has
+    a real group to pass to collectives. An already-initialised default group is reused
+    as is. The device is ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU; the
+    ``TERASCALE_DEVICE`` environment variable (``cpu`` or ``cuda``) and then the ``device``
+    argument override that choice. Raises ``ValueError`` when a launcher started several
+    processes but they cannot find each other (the message names what to set).
     """
+    if not dist.is_initialized() and init_method is None and rank is None:
+        _adopt_launcher_environment(discover)  # before LOCAL_RANK is read: it picks the device
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device is None:
         device = os.environ.get("TERASCALE_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -157,6 +164,25 @@ def init_distributed(
     )
     _check_mpu(ctx)
     return dataclasses.replace(ctx, replica_group=_replica_group(ctx))
+
+
+def _adopt_launcher_environment(discover: bool) -> None:
+    """Set torchrun's variables in this process's environment from an MPI or SLURM launch,
+    where ``env://``, the device choice and the user's own code read them; torchrun's own
+    win. Raises ``ValueError`` rather than let several launched processes each run as a
+    world of one."""
+    if discover:
+        launch = discovery.discover(os.environ)
+        if launch is not None:
+            os.environ.update(launch.torch_environment())
+        return
+    started = discovery.started_by(os.environ)
+    if started is not None and started.world_size > 1:
+        raise ValueError(
+            f"{started.launcher} started {started.world_size} processes ({started.describe()}) but "
+            "init_distributed(auto_mpi_discovery=False) does not read them: allow the discovery, or set "
+            "RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT yourself"
+        )
 
 
 def _pipe_groups(mpu: ModelParallelUnit) -> tuple[ProcessGroup | None, int, int]:

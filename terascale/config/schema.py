@@ -154,6 +154,25 @@ class ParallelWriteConfig(Section):
     pipeline_stage: bool = False
 
 
+class LeaseConfig(Section):
+    """``checkpoint.lease``: one writer per checkpoint directory ([Note: checkpoint directory
+    lease] in ``terascale.checkpoint.lease``). Rank 0 renews the lease every ``heartbeat_s``;
+    another job may take over a directory whose holder was silent for ``expiry_s``."""
+
+    enabled: bool = True
+    heartbeat_s: float = Field(1.0, gt=0)
+    expiry_s: float = Field(6.0, gt=0)
+
+    @model_validator(mode="after")
+    def _expiry_covers_heartbeats(self) -> LeaseConfig:
+        if self.expiry_s < 3 * self.heartbeat_s:
+            raise ValueError(
+                f"checkpoint.lease.expiry_s ({self.expiry_s}) must be at least 3 x heartbeat_s ({self.heartbeat_s}): "
+                "a holder late by one heartbeat would lose its directory"
+            )
+        return self
+
+
 class CheckpointConfig(Section):
     """``checkpoint``: DeepSpeed's checkpoint keys plus terascale's retention and async save."""
 
@@ -176,6 +195,18 @@ class CheckpointConfig(Section):
     local_dir: str | None = None
     save_on_signal: bool = True
     signal_deadline_s: float = Field(25.0, gt=0)
+    # Load a checkpoint's client_state.pt (written before client state was saved as data,
+    # [Note: client state as data]): unpickling it can run any code the file names, so only
+    # for checkpoints you trust. engine.load_checkpoint(allow_pickled_client_state=) overrides.
+    allow_pickled_client_state: bool = False
+    # Re-read a checkpoint's files and compare their checksums before loading it (auto_resume
+    # passes over a corrupted one; load_checkpoint raises): one more read of the checkpoint,
+    # split over the ranks ([Note: checkpoint checksums] in terascale.checkpoint.integrity).
+    verify_content: bool = True
+    lease: LeaseConfig = Field(default_factory=LeaseConfig)
+    # Interval saves that may fail in a row (a full disk) before the job stops: training
+    # goes on meanwhile and the newest complete checkpoint is kept.
+    max_failed_saves: int = Field(3, ge=1)
 
     @model_validator(mode="after")
     def _needs_save_dir(self) -> CheckpointConfig:

@@ -11,30 +11,32 @@ on over the others.
 
 from __future__ import annotations
 
-import base64
-import io
+import atexit
 import json
 import logging
-import random
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from terascale.checkpoint.directory import CheckpointDirectory, copy_durably, validate_tag
-from terascale.checkpoint.manifest import MANIFEST, CheckpointError, Manifest, dtype_name, parse_dtype
+from terascale.checkpoint import client_state as client_data
+from terascale.checkpoint.directory import CheckpointDirectory, copy_durably, validate_tag, write_atomic
+from terascale.checkpoint.lease import LeaseError, LeaseHeldError, LeaseLostError, LeasePolicy, LeaseSet, job_id
+from terascale.checkpoint.integrity import content_problem
+from terascale.checkpoint.manifest import MANIFEST, CheckpointError, Manifest, parse_dtype
 from terascale.checkpoint.reader import CheckpointReader
 from terascale.checkpoint.spans import BUFFER, OPTIM, OptimKey, ParamInfo, Slice, SliceMode, Span
 from terascale.checkpoint.writer import shard_file_name, snapshot, staging_pool, write_shard
 from terascale.comm import ops as comm_ops
 from terascale.config import Config
 from terascale.engine.checkpoint_layout import CheckpointLayout
+from terascale.engine.checkpoint_records import (aliases, buffer_infos, buffer_slices, check_fits, check_optimizer,
+                                                 optim_keys, persistent_buffers, rng_state, set_rng_state)
 from terascale.engine.data import DataPosition
 from terascale.engine.loss_scaler import LossScaler
 from terascale.engine.model_state import ModelState
@@ -45,7 +47,6 @@ from terascale.offload.swap import BufferPool
 
 logger = logging.getLogger("terascale")
 
-CLIENT_STATE = "client_state.pt"
 # Shard files are written once, sequentially, from the staging pool: the engine's
 # defaults (16 MiB pieces, 16 in flight) measured as fast as any setting here (4-16 MiB
 # pieces, 8-16 in flight: all within 1% of each other, at about 0.9x the raw disk).
@@ -82,6 +83,7 @@ class Checkpointer:
         # saves) the optimizer step's wait for the write.
         self.last_stall_s = 0.0
         self.layout = CheckpointLayout(module, model_state, layout.dist, layout)
+        self._leases: LeaseSet | None = None  # rank 0's ([Note: checkpoint directory lease])
 
     def _writer(self) -> tuple[AsyncIO, BufferPool]:
         # Kept from save to save: a fresh pool's first touch of its pages costs as much as
@@ -91,13 +93,45 @@ class Checkpointer:
         return self._aio, self._pool
 
     def close(self) -> None:
-        """Finish a save in flight and release the writer's threads and staging buffers."""
+        """Finish a save in flight, release the writer's threads and staging buffers, and
+        the directories' leases."""
         try:
             self.wait()
         finally:
             if self._aio is not None:
                 self._aio.close()
             self._aio = self._pool = None
+            if self._leases is not None:
+                self._leases.release()
+
+    def _lease_set(self) -> LeaseSet | None:
+        """(Rank 0) the leases of the directories this job writes; None with leases off."""
+        options = self._config.checkpoint.lease
+        if self._leases is None and options.enabled and dist.get_rank() == 0:
+            self._leases = LeaseSet(job_id(), dist.get_world_size(), LeasePolicy(options.heartbeat_s, options.expiry_s))
+            atexit.register(self._leases.release)  # an ended job frees its directories at once
+        return self._leases
+
+    def hold(self, *roots: str | Path) -> None:
+        """Take this job's lease on each of ``roots`` now (collective): every rank raises
+        LeaseHeldError (a CheckpointError) naming the holder if another live job keeps one."""
+        error: str | LeaseError | None = None
+        leases = self._lease_set()
+        if leases is not None:
+            try:
+                for root in roots:
+                    leases.hold(root, pin=True)
+            except LeaseError as exc:
+                error = exc
+            except OSError as exc:
+                # A full disk: nothing can be saved now anyway. Training may go on (its saves
+                # take the lease once they can write) unless another live job holds it.
+                held = next((h for h in map(leases.live_holder, roots) if h is not None), None)
+                if held is not None:
+                    error = LeaseHeldError(f"'{roots[0]}' is being written by another job: {held.describe()}")
+                else:
+                    logger.warning("cannot take the lease of %s now (%s); the next save takes it", roots[0], exc)
+        _raise_if_any(error, self.coordination_group(), "cannot write checkpoints")
 
     def coordination_group(self) -> dist.ProcessGroup:
         # Created on the first save, which every rank makes: new_group is collective.
@@ -144,7 +178,9 @@ class Checkpointer:
         Collective. Each rank writes only its own state, as spans of named parameters, so
         the checkpoint loads on any number of ranks, at any ZeRO stage, offloaded or not.
         The write is atomic: a failure or crash leaves earlier checkpoints and ``latest``
-        as they were. ``client_state`` (any picklable dict) comes back from :meth:`load`.
+        as they were. ``client_state`` (a dict of data: ``[Note: client state as data]``)
+        comes back from :meth:`load`; one that is not data is a ValueError here, on every
+        rank, before anything is written.
         Asynchronous (``asynchronous``, default ``checkpoint.async``): the call
         only captures what may change (see ``[Note: asynchronous saves]``) and a background
         thread does the rest, collectives included; the next optimizer step waits for the
@@ -164,20 +200,19 @@ class Checkpointer:
         state, optimizer, module = self._state, self._optimizer, self._module
         layout = self.layout
         described = [s for chunk in state.state_slices(optimizer, SliceMode.DESCRIBE) for s in layout.saved(chunk)]
-        buffers = _buffer_slices(module) if layout.saves_buffers else []
+        buffers = buffer_slices(module) if layout.saves_buffers else []
         described += buffers
-        client = None
-        if rank == 0 and client_state is not None:
-            client = io.BytesIO()
-            torch.save(client_state, client)  # now: the caller may change the dict afterwards
+        client = self._client_files(client_state if rank == 0 else None, tag, group)
         job = _SaveJob(
             directory=directory, tag=tag, save_latest=save_latest, group=group, described=described,
-            info=_RankInfo(rank, world, _rng_state(), _optim_keys(described), layout.params(), _aliases(module),
-                           _buffer_infos(module) if layout.saves_buffers else {}),
+            info=_RankInfo(rank, world, rng_state(), optim_keys(described), layout.params(), aliases(module),
+                           buffer_infos(module) if layout.saves_buffers else {}),
             manifest=self._manifest(tag) if rank == 0 else None,
-            client_state=None if client is None else client.getvalue(),
+            client_state=client,
             mirror=None if mirror_to is None else CheckpointDirectory(mirror_to),
         )  # fmt: skip
+        if job.manifest is not None and client is not None:
+            job.manifest.client_files = client_data.manifest_entries(client)
         if self._config.checkpoint.async_save if asynchronous is None else asynchronous:
             # [Note: asynchronous saves] Parameters, masters and optimizer state change
             # only in the optimizer step, which waits for the write (before_update), so
@@ -199,6 +234,27 @@ class Checkpointer:
         self.last_stall_s = time.perf_counter() - started
         return tag
 
+    def _client_files(self, client_state: dict | None, tag: str, group: dist.ProcessGroup) -> dict[str, bytes] | None:
+        """(Collective) rank 0's ``client_state`` as the checkpoint's files, serialised now
+        (the caller may change the dict or its tensors afterwards). One that is not data
+        raises its ValueError on rank 0 and on every other rank, which would otherwise go
+        on into the save's collectives without it."""
+        files, failure = None, None
+        if client_state is not None:
+            try:
+                files = client_data.to_files(client_state)
+            except ValueError as exc:
+                failure = exc
+        if dist.get_world_size() > 1:
+            try:
+                _raise_if_any(None if failure is None else str(failure), group, f"saving checkpoint '{tag}' failed")
+            except CheckpointError:
+                if failure is None:
+                    raise
+        if failure is not None:
+            raise failure
+        return files
+
     def before_update(self) -> None:
         """Called before the optimizer step changes the state: let a background write of
         it finish first (its error, if any, is raised by the next save, load or wait). A
@@ -215,6 +271,8 @@ class Checkpointer:
             self._thread = self._job = None
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, LeaseError):
+                raise error  # as it is: a job that lost its directory must stop, not retry
             raise CheckpointError(f"the asynchronous checkpoint save failed: {error}") from error
 
     def _run_in_background(self, job: _SaveJob) -> None:
@@ -222,6 +280,8 @@ class Checkpointer:
             self._run(job)
         except BaseException as exc:  # surfaces on the next save/load/wait
             self._error = exc
+            if job.info.rank == 0:  # said now too: the next save may be far off
+                logger.warning("the checkpoint save of '%s' failed: %s", job.tag, exc)
         finally:
             job.written.set()  # a failed write releases the optimizer step too
 
@@ -234,9 +294,13 @@ class Checkpointer:
         error = None
         if info.rank == 0:
             try:
+                if (leases := self._lease_set()) is not None:
+                    leases.hold(directory.root, step=self._train.global_steps)
                 directory.prepare(tag)
-                if job.client_state is not None:
-                    (directory.staging(tag) / CLIENT_STATE).write_bytes(job.client_state)
+                for name, data in (job.client_state or {}).items():
+                    write_atomic(directory.staging(tag) / name, data)
+            except CheckpointError as exc:
+                error = exc
             except OSError as exc:
                 error = f"cannot create '{directory.staging(tag)}': {exc}"
         _raise_if_any(error, group, f"saving checkpoint '{tag}' failed")
@@ -273,19 +337,24 @@ class Checkpointer:
 
     def _commit_or_abort(
         self, directory: CheckpointDirectory, tag: str, error: str | None, manifest_json: Callable[[], str], save_latest: bool
-    ) -> str | None:
+    ) -> str | LeaseError | None:
         """(Rank 0, once every rank reported) commit ``tag`` in ``directory`` with the
         manifest ``manifest_json()`` unless a rank failed (``error``); on any failure remove
         the staging folder. Returns the error, if any."""
+        failure: str | LeaseError | None = error
         if error is None:
             try:
+                if self._leases is not None:
+                    self._leases.check(directory.root)  # not taken over while the files were written
                 directory.commit(tag, manifest_json(), save_latest=save_latest)
                 self._prune(directory, tag)
+            except LeaseError as exc:
+                failure = exc
             except Exception as exc:
-                error = f"committing '{directory.root / tag}': {exc}"
-        if error is not None:
+                failure = f"committing '{directory.root / tag}': {exc}"
+        if failure is not None:
             directory.abort(tag)
-        return error
+        return failure
 
     def _prune(self, directory: CheckpointDirectory, tag: str) -> None:
         keep = self._config.checkpoint.keep_last_n
@@ -308,9 +377,14 @@ class Checkpointer:
         error = None
         if rank == 0:
             try:
+                if (leases := self._lease_set()) is not None:
+                    leases.hold(mirror.root, step=self._train.global_steps)
                 mirror.prepare(tag)
-                if (source / CLIENT_STATE).exists():
-                    copy_durably(source / CLIENT_STATE, mirror.staging(tag) / CLIENT_STATE)
+                for name in client_data.FILES:
+                    if (source / name).exists():
+                        copy_durably(source / name, mirror.staging(tag) / name)
+            except CheckpointError as exc:
+                error = exc
             except OSError as exc:
                 error = f"cannot create '{mirror.staging(tag)}': {exc}"
         _raise_if_any(error, group, f"copying checkpoint '{tag}' to '{mirror.root}' failed")
@@ -367,6 +441,9 @@ class Checkpointer:
         load_lr_scheduler_states: bool,
         load_module_only: bool,
         data_position: bool = True,
+        verify_content: bool | None = None,
+        read_client_state: bool = False,
+        allow_pickled_client_state: bool | None = None,
     ) -> tuple[str | None, Any]:
         """Load checkpoint ``load_dir/<tag>`` (default: the one ``latest`` names; ``load_dir``
         may also be the checkpoint folder itself) on this rank's layout, whatever the
@@ -375,9 +452,17 @@ class Checkpointer:
         Collective. Each rank reads just the spans it holds. ``load_module_only`` restores
         only parameters and buffers (optimizer, scheduler, counters, RNG and data position
         are left as they are); ``data_position=False`` leaves the data loader's position as
-        it is (a rollback past bad data). Returns ``(path, client_state)``, or ``(None,
-        None)`` with a warning when ``load_dir`` has no ``latest`` and no tag was given (as
-        DeepSpeed does, so a script can always try to resume).
+        it is (a rollback past bad data). ``verify_content`` (default
+        ``checkpoint.verify_content``): first compare the files' checksums, each rank a part
+        of the files, and raise CheckpointError naming a corrupted one on every rank
+        (``[Note: checkpoint checksums]``). ``read_client_state``: read the client state too
+        (else it is returned as None and its files are not opened); before anything is
+        loaded, so a checkpoint whose client state is refused changes nothing. A pickled one
+        (checkpoints before ``[Note: client state as data]``) is refused unless
+        ``allow_pickled_client_state`` (default ``checkpoint.allow_pickled_client_state``).
+        Returns ``(path, client_state)``, or ``(None, None)`` with a warning when
+        ``load_dir`` has no ``latest`` and no tag was given (as DeepSpeed does, so a script
+        can always try to resume).
         """
         self.wait()
         folder = CheckpointDirectory.find(load_dir, tag)
@@ -385,17 +470,20 @@ class Checkpointer:
             logger.warning("no checkpoint to load: '%s' has no 'latest' file", load_dir)
             return None, None
         with_optim = load_optimizer_states and not load_module_only
-        buffers = _persistent_buffers(self._module)
+        buffers = persistent_buffers(self._module)
         with CheckpointReader(folder) as reader:
             m = reader.manifest
-            _check_fits(folder, m, self.layout.params(), buffers, self.layout.all_names(set(buffers)))
-            optim_keys = None
+            if self._config.checkpoint.verify_content if verify_content is None else verify_content:
+                self._verify_content(folder, m)
+            check_fits(folder, m, self.layout.params(), buffers, self.layout.all_names(set(buffers)))
+            client = self._client_state(folder, m, allow_pickled_client_state) if read_client_state else None
+            saved_keys = None
             if with_optim:
-                _check_optimizer(folder, m, self._optimizer)
-                optim_keys = {
+                check_optimizer(folder, m, self._optimizer)
+                saved_keys = {
                     k.removeprefix(OPTIM): OptimKey(parse_dtype(v["dtype"]), bool(v["scalar"])) for k, v in m.optim_keys.items()
                 }
-            for chunk in self._state.state_slices(self._optimizer, SliceMode.LOAD, optim_keys):
+            for chunk in self._state.state_slices(self._optimizer, SliceMode.LOAD, saved_keys):
                 for span, t in chunk:
                     self.layout.read(reader, span, t)
             self.layout.done()
@@ -406,11 +494,37 @@ class Checkpointer:
                           data_position=data_position)  # fmt: skip
             rank = dist.get_rank()
             if rank < len(m.rng):
-                _set_rng_state(m.rng[rank])
-        client = folder / CLIENT_STATE
-        client_state = torch.load(client, weights_only=False) if client.exists() else {}
-        return str(folder), client_state
+                set_rng_state(m.rng[rank])
+        return str(folder), client
 
+
+    def _client_state(self, folder: Path, m: Manifest, allow_pickled: bool | None) -> Any:
+        """The client state saved in ``folder`` ({} when none). A pickled one, as
+        checkpoints before ``[Note: client state as data]`` hold it, only when allowed:
+        unpickling runs whatever code the file names."""
+        state = client_data.read(folder, m.client_files)
+        if state is not None:
+            return state
+        pickled = folder / client_data.PICKLED_FILE
+        if not pickled.exists():
+            return {}
+        if not (self._config.checkpoint.allow_pickled_client_state if allow_pickled is None else allow_pickled):
+            raise CheckpointError(
+                f"checkpoint '{folder}' holds its client state as a pickle ({client_data.PICKLED_FILE}), and pickled "
+                "client state can run arbitrary code when loaded; pass allow_pickled_client_state=True to "
+                "engine.load_checkpoint (or set checkpoint.allow_pickled_client_state in the config) only for a "
+                "checkpoint you trust"
+            )
+        return torch.load(pickled, weights_only=False)
+
+    def _verify_content(self, folder: Path, m: Manifest) -> None:
+        """Compare this rank's part of ``folder``'s files with their checksums; every rank
+        raises if any part differs (collective: ``[Note: checkpoint checksums]``)."""
+        if all(f.checksum is None for f in m.files):  # an older checkpoint: the same on every rank
+            return
+        rank, world = dist.get_rank(), dist.get_world_size()
+        problem = content_problem(folder, m.files[rank::world])
+        _raise_if_any(problem, self.coordination_group(), f"cannot load checkpoint '{folder}' (load an earlier one)")
 
     # -- the training record -------------------------------------------------------------------
 
@@ -456,7 +570,7 @@ class _SaveJob:
     described: list[Slice]
     info: _RankInfo
     manifest: Manifest | None
-    client_state: bytes | None
+    client_state: dict[str, bytes] | None  # rank 0's client-state files, by name
     mirror: CheckpointDirectory | None = None  # copied there once committed
     chunks: Any = None  # the values: resident chunks (sync) or one list (async)
     written: threading.Event = field(default_factory=threading.Event)  # committed (or failed)
@@ -476,107 +590,15 @@ def _chain(chunks: Any, last: list[Slice]) -> Any:
     yield last
 
 
-def _raise_if_any(error: str | None, group: dist.ProcessGroup, what: str) -> None:
-    """Agree over ``group`` on rank 0's (or any rank's) error; every rank raises it."""
+def _raise_if_any(error: str | LeaseError | None, group: dist.ProcessGroup, what: str) -> None:
+    """Agree over ``group`` on rank 0's (or any rank's) error; every rank raises it. A
+    LeaseError stays one everywhere (its own class): a job refused its directory stops,
+    where a failed write may be retried."""
+    sent = None if error is None else (type(error).__name__ if isinstance(error, LeaseError) else None, str(error))
     errors: list[Any] = [None] * dist.get_world_size()
-    comm_ops.all_gather_object(errors, error, group=group)
+    comm_ops.all_gather_object(errors, sent, group=group)
     found = [e for e in errors if e]
     if found:
-        raise CheckpointError(f"{what}: {'; '.join(found)}")
-
-
-def _persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    keys = set(module.state_dict(keep_vars=True))
-    return {n: b for n, b in module.named_buffers() if n in keys}
-
-
-def _aliases(module: nn.Module) -> dict[str, list[str]]:
-    """A parameter's other names (tied inside this rank's module), by its first name."""
-    names: dict[int, list[str]] = {}
-    for n, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(n)
-    return {ns[0]: ns[1:] for ns in names.values() if len(ns) > 1}
-
-
-def _buffer_infos(module: nn.Module) -> dict[str, ParamInfo]:
-    return {n: ParamInfo(tuple(b.shape), b.dtype, -1) for n, b in _persistent_buffers(module).items()}
-
-
-def _buffer_slices(module: nn.Module) -> list[Slice]:
-    return [(Span(BUFFER, n, 0, b.numel()), b.detach().reshape(-1)) for n, b in _persistent_buffers(module).items()]
-
-
-def _optim_keys(described: list[Slice]) -> dict[str, dict]:
-    """The optimizer state keys among ``described``: dtype, and whether 0-d (a step count)."""
-    keys: dict[str, dict] = {}
-    for span, t in described:
-        if span.key.startswith(OPTIM) and span.key not in keys:
-            keys[span.key] = {"dtype": dtype_name(t.dtype), "scalar": t.dim() == 0}
-    return keys
-
-
-def _check_fits(
-    folder: Path, m: Manifest, params: dict[str, ParamInfo], buffers: dict[str, torch.Tensor], model_names: set[str]
-) -> None:
-    """A clear error when the checkpoint is of another model: names missing, unexpected,
-    reshaped. ``params``/``buffers`` are this rank's; ``model_names`` every parameter and
-    buffer name of the model (other pipeline stages hold the rest)."""
-    mine = {**{n: p.shape for n, p in params.items()}, **{n: tuple(b.shape) for n, b in buffers.items()}}
-    saved = {**{n: p.shape for n, p in m.params.items()}, **{n: p.shape for n, p in m.buffers.items()}}
-    missing = sorted(set(mine) - set(saved))
-    unexpected = sorted(set(saved) - model_names)
-    reshaped = sorted(f"{n}: checkpoint {list(saved[n])}, model {list(mine[n])}" for n in set(mine) & set(saved)
-                      if tuple(saved[n]) != tuple(mine[n]))  # fmt: skip
-    if missing or unexpected or reshaped:
-        def some(names: list[str]) -> str:
-            return ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
-
-        parts = []
-        if missing:
-            parts.append(f"missing from the checkpoint: {some(missing)}")
-        if unexpected:
-            parts.append(f"unexpected (not in the model): {some(unexpected)}")
-        if reshaped:
-            parts.append(f"different shapes: {some(reshaped)}")
-        raise CheckpointError(f"checkpoint '{folder}' is not of this model; " + "; ".join(parts))
-
-
-def _check_optimizer(folder: Path, m: Manifest, optimizer: torch.optim.Optimizer) -> None:
-    saved = m.engine.get("optimizer", {})
-    groups = saved.get("param_groups", [])
-    if len(groups) != len(optimizer.param_groups):
-        raise CheckpointError(
-            f"checkpoint '{folder}' has {len(groups)} optimizer param groups, this optimizer has "
-            f"{len(optimizer.param_groups)}; load with load_optimizer_states=False"
-        )
-
-
-def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.numpy().tobytes()).decode()
-
-
-def _unb64(s: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
-
-
-def _rng_state() -> dict[str, Any]:
-    version, mt, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    out = {
-        "python": [version, list(mt), gauss],
-        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-        "torch": _b64(torch.get_rng_state()),
-    }
-    if torch.cuda.is_available():
-        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
-    return out
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    version, mt, gauss = state["python"]
-    random.setstate((version, tuple(mt), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(_unb64(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
+        lease = next((kind for kind, _ in found if kind), None)
+        kind = {c.__name__: c for c in (LeaseError, LeaseHeldError, LeaseLostError)}.get(lease or "", CheckpointError)
+        raise kind(f"{what}: {'; '.join(text for _, text in found)}")

@@ -97,7 +97,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
             lambda: self.loss_scaler.scale, batch.gradient_accumulation_steps,
             [p for p in self.module.parameters() if p.requires_grad],
         )  # fmt: skip
-        self._resilience.auto_resume()  # with checkpoint.auto_resume: the newest complete checkpoint
+        self._resilience.auto_resume()  # save_dir's lease; with checkpoint.auto_resume, the newest checkpoint
         _LIVE.add(self)  # for DeepSpeed's per-parameter functions (safe_get_full_grad(param))
 
     # -- properties a training script reads ------------------------------------------------
@@ -364,7 +364,9 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         """Save everything needed to resume into ``save_dir/<tag>`` (default tag
         ``global_step<N>``) and point ``save_dir/latest`` at it; returns the tag. Collective
         and atomic; loads on any layout; with ``checkpoint.async`` written in the
-        background (see :meth:`Checkpointer.save`, :meth:`wait_for_checkpoint`)."""
+        background (see :meth:`Checkpointer.save`, :meth:`wait_for_checkpoint`).
+        ``client_state``: a dict of data (numbers, strings, containers, tensors, numpy
+        arrays, ...: ``[Note: client state as data]``), returned by :meth:`load_checkpoint`."""
         self._resilience.mark("save")
         return self._checkpointer.save(save_dir, tag, client_state, save_latest)
 
@@ -375,14 +377,19 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        *,
+        allow_pickled_client_state: bool | None = None,
     ) -> tuple[str | None, Any]:
         """Restore a checkpoint written by :meth:`save_checkpoint` on any layout; returns
         ``(path, client_state)``, ``(None, None)`` when there is none (collective; see
-        :meth:`Checkpointer.load`)."""
+        :meth:`Checkpointer.load`). ``allow_pickled_client_state`` (default
+        ``checkpoint.allow_pickled_client_state``): load an older checkpoint's pickled client
+        state, which can run arbitrary code: only for a checkpoint you trust."""
         self._resilience.mark("load")
         return self._checkpointer.load(load_dir, tag, load_optimizer_states=load_optimizer_states,
                                        load_lr_scheduler_states=load_lr_scheduler_states,
-                                       load_module_only=load_module_only)  # fmt: skip
+                                       load_module_only=load_module_only, read_client_state=True,
+                                       allow_pickled_client_state=allow_pickled_client_state)  # fmt: skip
 
     def save_pretrained(self, save_dir: str | Path, **kwargs: Any) -> None:
         """Write a Hugging Face folder of the weights on rank 0 (collective; see

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from terascale.checkpoint.directory import CheckpointDirectory, verify
-from terascale.checkpoint.manifest import Manifest
+from terascale.checkpoint.lease import LeaseError
+from terascale.checkpoint.manifest import CheckpointError, Manifest
 from terascale.comm import DistributedContext
 from terascale.comm import ops as comm_ops
 from terascale.config import Config
@@ -70,6 +71,7 @@ class Resilience:
         self.local_dir = ck.local_dir
         self._world = dist.get_world_size() if dist.is_initialized() else 1
         self._last_save = time.monotonic()
+        self._failed_saves = 0  # interval saves that failed in a row
         self.resumed_in_s = 0.0  # how long auto_resume's load took (0: nothing resumed)
         self._non_finite = NonFinitePolicy(health.non_finite.policy, health.non_finite.max_rollbacks)
         if health.non_finite.policy == "rollback" and self.save_dir is None:
@@ -178,8 +180,9 @@ class Resilience:
             raise NonFiniteError(f"health.non_finite.policy 'rollback': no checkpoint in '{self.save_dir}' to go back to")
         step = self._train.global_steps
         self.mark("load")
+        # verify_content=False: _newest_complete compared the checksums already.
         self._checkpointer.load(folder, None, load_optimizer_states=True, load_lr_scheduler_states=True,
-                                load_module_only=False, data_position=False)  # fmt: skip
+                                load_module_only=False, data_position=False, verify_content=False)  # fmt: skip
         if self._reporter.reports:
             logger.warning("rolled back from step %d to '%s' (step %d)", step + 1, folder, self._train.global_steps)
 
@@ -206,10 +209,29 @@ class Resilience:
 
     def save_now(self) -> str:
         """An interval save: asynchronous, to ``local_dir`` then ``save_dir`` (or straight to
-        ``save_dir``). Collective; returns the tag."""
+        ``save_dir``). Collective; returns the tag.
+
+        The previous interval save having failed (a full disk, a filesystem gone for a
+        while) is a warning and this one tries again, up to ``checkpoint.max_failed_saves``
+        failures in a row: training goes on and the newest complete checkpoint stays as it
+        was, where stopping would lose every step since it. A lost lease always stops."""
         assert self.save_dir is not None
         self.mark("save")
         self._last_save = time.monotonic()
+        try:
+            self._checkpointer.wait()
+            self._failed_saves = 0
+        except LeaseError:
+            raise
+        except CheckpointError as exc:
+            self._failed_saves += 1
+            limit = self._config.checkpoint.max_failed_saves
+            if self._failed_saves >= limit:
+                raise CheckpointError(f"{self._failed_saves} interval saves in a row failed (checkpoint.max_failed_saves "
+                                      f"is {limit}); the last: {exc}") from exc  # fmt: skip
+            if self._reporter.reports:
+                logger.warning("%s; training goes on and saves again now (%d of %d failures in a row allowed)",
+                               exc, self._failed_saves, limit - 1)  # fmt: skip
         if self.local_dir is not None:
             return self._checkpointer.save(self.local_dir, None, None, True, asynchronous=True, mirror_to=self.save_dir)
         return self._checkpointer.save(self.save_dir, None, None, True, asynchronous=True)
@@ -249,8 +271,12 @@ class Resilience:
     # -- at start-up -----------------------------------------------------------------------------
 
     def auto_resume(self) -> str | None:
-        """With ``checkpoint.auto_resume``: load the newest checkpoint every rank can read
+        """Take the lease of ``save_dir`` (a directory another live job writes is refused
+        before anything is read or written: [Note: checkpoint directory lease]); then, with
+        ``checkpoint.auto_resume``, load the newest checkpoint every rank can read
         completely, from ``local_dir`` or ``save_dir``. Collective; returns its folder."""
+        if self.save_dir is not None:
+            self._checkpointer.hold(self.save_dir)
         if not self._config.checkpoint.auto_resume:
             return None
         folder = self._newest_complete()
@@ -260,8 +286,9 @@ class Resilience:
             return None
         self.mark("load")
         started = time.perf_counter()
+        # verify_content=False: _newest_complete compared the checksums already.
         self._checkpointer.load(folder, None, load_optimizer_states=True, load_lr_scheduler_states=True,
-                                load_module_only=False)  # fmt: skip
+                                load_module_only=False, verify_content=False)  # fmt: skip
         self.resumed_in_s = time.perf_counter() - started
         saved = Manifest.read(folder)
         if self._reporter.reports:
@@ -279,12 +306,18 @@ class Resilience:
         Each rank verifies candidates newest first and stops at the first complete one;
         the ranks then agree on the oldest of their picks, and check again below it until
         all picks are the same (a node-local copy is complete only where it was written).
+        With ``checkpoint.verify_content`` each rank also compares the checksums of its
+        share of a candidate's files, so the agreement passes over a corrupted one
+        (``[Note: checkpoint checksums]``).
         """
         roots = [d for d in (self.local_dir, self.save_dir) if d is not None]
         bound = None
         problems: set[str] = set()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        content = self._config.checkpoint.verify_content
+        checked: dict[str, str | None] = {}  # a folder's problem: each is read once, not once a round
         while True:
-            mine = _best_complete(roots, bound)
+            mine = _best_complete(roots, bound, content=content, share=(rank, self._world), checked=checked)
             everyone: list[Any] = [None] * self._world
             if self._world > 1:
                 comm_ops.all_gather_object(everyone, mine, group=self._checkpointer.coordination_group())
@@ -302,10 +335,15 @@ class Resilience:
         return None if chosen is None else Path(chosen[2])
 
 
-def _best_complete(roots: list[str], bound: tuple | None) -> tuple[tuple[int, int, str] | None, list[str]]:
+def _best_complete(
+    roots: list[str], bound: tuple | None, *, content: bool = False, share: tuple[int, int] = (0, 1),
+    checked: dict[str, str | None] | None = None,
+) -> tuple[tuple[int, int, str] | None, list[str]]:
     """The newest complete checkpoint ``(step, preference, folder)`` under ``roots`` not
     newer than ``bound`` (the first root preferred at equal steps), and the problems of the
-    newer ones passed over."""
+    newer ones passed over. ``content``, ``share``: as :func:`verify`'s; ``checked`` keeps
+    the folders verified already and their problems."""
+    checked = {} if checked is None else checked
     candidates = []
     for preference, root in enumerate(reversed(roots)):
         directory = CheckpointDirectory(root)
@@ -317,7 +355,9 @@ def _best_complete(roots: list[str], bound: tuple | None) -> tuple[tuple[int, in
     for candidate in sorted(candidates, reverse=True):
         if bound is not None and candidate > bound:
             continue
-        problem = verify(Path(candidate[2]))
+        if candidate[2] not in checked:
+            checked[candidate[2]] = verify(Path(candidate[2]), content=content, share=share)
+        problem = checked[candidate[2]]
         if problem is None:
             return candidate, problems
         problems.append(f"'{candidate[2]}': {problem}")

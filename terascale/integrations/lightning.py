@@ -255,8 +255,11 @@ class TerascaleStrategy(DDPStrategy):
         if self.engine is None:
             return super().load_checkpoint(checkpoint_path, weights_only)
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        # Lightning's weights_only=False is the caller's word that the checkpoint is trusted,
+        # which is what loading a pickled client state (older checkpoints) needs.
         path, client = self.engine.load_checkpoint(
-            str(checkpoint_path), tag=_TAG, load_optimizer_states=fitting, load_module_only=not fitting
+            str(checkpoint_path), tag=_TAG, load_optimizer_states=fitting, load_module_only=not fitting,
+            allow_pickled_client_state=True if weights_only is False else None,
         )
         if path is None:
             raise ValueError(f"no terascale checkpoint at '{checkpoint_path}'")

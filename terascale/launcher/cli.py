@@ -35,8 +35,9 @@ def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
         help="number of nodes, or an elastic range (default: 1; with --hostfile: all hosts)",
     )
     p.add_argument("--node_rank", "--node-rank", dest="node_rank", type=int, default=None, metavar="R",
-                   help="accepted for torchrun habits and passed on; across nodes the c10d "
-                   "rendezvous assigns node ranks itself")
+                   help="this node's rank with a fixed --nnodes N started by hand on every node: node R "
+                   "gets global ranks R*nproc.. whichever node starts first (torchrun's static rendezvous; "
+                   "refused with an elastic MIN:MAX, whose rendezvous ranks nodes as they join)")
     p.add_argument("--master_addr", "--master-addr", dest="master_addr", default=None, metavar="ADDR",
                    help="rendezvous host (default: standalone on one node; first host of the hostfile)")
     p.add_argument("--master_port", "--master-port", dest="master_port", type=int, default=None, metavar="PORT",
@@ -44,10 +45,19 @@ def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rdzv_id", "--rdzv-id", dest="rdzv_id", default=None, metavar="ID",
                    help="rendezvous id shared by all nodes of one job")
     p.add_argument("--rdzv_conf", "--rdzv-conf", dest="rdzv_conf", default=None, metavar="K=V,...",
-                   help="torchrun's rendezvous settings, e.g. 'last_call_timeout=5,join_timeout=900' "
-                   "(how long an elastic job waits for more nodes before it goes on with fewer)")
+                   help="torchrun's rendezvous settings over terascale's defaults (keep_alive_interval=1, "
+                   "keep_alive_max_attempt=5, last_call_timeout=2: a lost node is re-formed around in "
+                   "seconds), e.g. 'last_call_timeout=5,join_timeout=900'; keep-alive settings that "
+                   "could split the job (under 3 attempts or 4 s) are refused")
     p.add_argument("-H", "--hostfile", default=None, metavar="FILE",
                    help="DeepSpeed-format hostfile ('HOST slots=N' lines); start one agent per host over ssh")
+    p.add_argument("--launcher", default="torchrun", choices=("torchrun", "pdsh", "mpi", "slurm"),
+                   help="how the hosts of --hostfile are started: torchrun agents over ssh (default), pdsh "
+                   "(torchrun agents), mpi (OpenMPI's mpirun) or slurm (srun, inside an allocation); "
+                   "under mpi and slurm each rank finds its place from the launcher's variables")
+    p.add_argument("--launcher_args", "--launcher-args", dest="launcher_args", default="", metavar="ARGS",
+                   help="extra arguments for pdsh, mpirun or srun, in one string "
+                   "(--launcher_args='-p gpu'; with '=' when it starts with a dash)")
     p.add_argument("-i", "--include", default="", metavar="SPEC",
                    help="use only these hosts/slots, e.g. 'worker-0@worker-1:0,2'")
     p.add_argument("-e", "--exclude", default="", metavar="SPEC",
@@ -87,7 +97,8 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
             "Launch SCRIPT with torch.distributed.run. One machine: "
             "`terascale run --nproc 2 train.py`. Many: either run `terascale run --nnodes N "
             "--node_rank R --master_addr A ...` on every machine, or give a DeepSpeed-style "
-            "--hostfile and terascale starts one agent per host over ssh."
+            "--hostfile and terascale starts one agent per host over ssh (or all hosts with "
+            "--launcher pdsh, mpi or slurm)."
         ),
     )
     _add_launch_arguments(p)
@@ -114,7 +125,8 @@ def _run(args: argparse.Namespace) -> int:
     opts = _launch_options(args, args.script, args.script_args, module=args.module, max_restarts=args.max_restarts,
                            local_rank_arg=not args.no_local_rank, bind_cores=args.bind_cores_to_rank,
                            bind_core_list=args.bind_core_list)  # fmt: skip
-    return launch(opts, hostfile=args.hostfile, include=args.include, exclude=args.exclude)
+    return launch(opts, hostfile=args.hostfile, include=args.include, exclude=args.exclude, launcher=args.launcher,
+                  launcher_args=args.launcher_args)
 
 
 def _add_env(subparsers: argparse._SubParsersAction) -> None:
@@ -285,7 +297,8 @@ def _check(args: argparse.Namespace) -> int:
         verdict_file = os.path.join(tmp, "verdict")
         script_args = [*opts.to_argv(), "--verdict-file", verdict_file]
         launch_opts = _launch_options(args, "terascale.health.preflight", script_args, module=True)
-        rc = launch(launch_opts, hostfile=args.hostfile, include=args.include, exclude=args.exclude)
+        rc = launch(launch_opts, hostfile=args.hostfile, include=args.include, exclude=args.exclude,
+                    launcher=args.launcher, launcher_args=args.launcher_args)
         verdict = int(open(verdict_file).read()) if os.path.exists(verdict_file) else None
     if rc == 0:
         return verdict or 0  # no file: the ranks ran on other hosts and exited with the verdict

@@ -6,10 +6,13 @@ rendezvous. This module only decides *which* torchrun command runs *where*:
 
 * one machine, no master given: ``torchrun --standalone`` (private c10d store
   on a free local port);
+* ``--nnodes N --node_rank R``: torchrun's static rendezvous at
+  ``master_addr:master_port``, node R taking global ranks R*nproc..;
 * otherwise: c10d rendezvous at ``master_addr:master_port``;
 * with a hostfile: one agent per host, started over ``ssh`` concurrently, with
   the environment (``PYTHONPATH``, ``NCCL_*``, ``.terascale_env`` entries) and
-  the working directory carried over;
+  the working directory carried over; or, with ``--launcher pdsh|mpi|slurm``, one
+  command of that tool for every host (:mod:`terascale.launcher.backends`);
 * with ``--local_rank=N`` for the script or core binding: torchrun starts the rank
   shim, which does the per-rank part and execs the script ([Note: the rank shim]).
 
@@ -24,21 +27,18 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TextIO
 
-from terascale.launcher.hostfile import filter_hosts, read_hostfile
+from terascale.launcher import backends
 from terascale.launcher.cores import parse_core_list, rank_cores, usable_cores, worker_args
+from terascale.launcher.hostfile import filter_hosts, read_hostfile
+from terascale.launcher.processes import run_local, run_remote
+from terascale.launcher.rendezvous import rendezvous_conf
 
 __all__ = [
     "DEFAULT_MASTER_PORT",
@@ -47,6 +47,7 @@ __all__ = [
     "LaunchOptions",
     "default_nproc",
     "launch",
+    "launcher_command",
     "load_env_files",
     "parse_env_file",
     "parse_nnodes",
@@ -101,9 +102,10 @@ class LaunchOptions:
 
     ``nproc`` is ranks per node (default: visible CUDA devices, else 1, or the
     hostfile's slots); ``nnodes`` is ``"N"`` or ``"MIN:MAX"`` (default: 1, or
-    every host of the hostfile). ``node_rank`` is accepted for torchrun habits
-    and passed through, but c10d rendezvous (always used across nodes) assigns
-    node ranks by itself.
+    every host of the hostfile). ``node_rank`` with a fixed ``nnodes`` N > 1 selects
+    torchrun's static rendezvous, where node R gets global ranks R*nproc.. whatever order
+    the nodes start in; with an elastic range it is refused (the c10d rendezvous assigns
+    node ranks in order of arrival).
 
     ``local_rank_arg`` passes ``--local_rank=N`` to the script (``terascale run`` does
     unless ``--no_local_rank``, as DeepSpeed's launcher does); ``bind_cores`` pins each
@@ -120,7 +122,7 @@ class LaunchOptions:
     master_addr: str | None = None
     master_port: int | None = None
     rdzv_id: str | None = None
-    rdzv_conf: str | None = None  # torchrun's --rdzv_conf, passed as given
+    rdzv_conf: str | None = None  # torchrun's --rdzv_conf, over terascale's defaults ([Note: rendezvous settings])
     max_restarts: int = 0
     module: bool = False
     local_rank_arg: bool = False
@@ -136,6 +138,9 @@ class LaunchOptions:
             _, high = parse_nnodes(self.nnodes)
             if self.node_rank is not None and not 0 <= self.node_rank < high:
                 raise ValueError(f"--node_rank {self.node_rank}: must be in [0, {high}) for --nnodes {self.nnodes}")
+            if self.node_rank is not None and ":" in self.nnodes:
+                raise ValueError(f"--node_rank with an elastic --nnodes {self.nnodes}: the rendezvous gives nodes "
+                                 "their ranks as they join; drop --node_rank, or give a fixed node count")
         elif self.node_rank not in (None, 0):
             raise ValueError(f"--node_rank {self.node_rank} needs --nnodes greater than 1")
         if self.master_port is not None and not 0 < self.master_port < 65536:
@@ -146,6 +151,8 @@ class LaunchOptions:
             raise ValueError("--master_addr is empty; give a hostname or IP address")
         if self.bind_core_list is not None:
             parse_core_list(self.bind_core_list)  # a malformed list fails here, not in every rank
+        if self.rdzv_conf is not None:
+            rendezvous_conf(self.rdzv_conf)  # settings that could split the job fail before any node starts
 
     @property
     def binds_cores(self) -> bool:
@@ -179,13 +186,30 @@ def _endpoint(addr: str, port: int) -> str:
     return f"{addr}:{port}"
 
 
+def _static_rendezvous(opts: LaunchOptions) -> list[str]:
+    """torchrun's flags for node ``opts.node_rank`` of a fixed ``opts.nnodes``: node 0's agent
+    hosts the store at ``master_addr:master_port`` and every node's ranks follow from its
+    node rank, so a node that starts first still waits for its place."""
+    if opts.master_addr is None:
+        raise ValueError(f"--nnodes {opts.nnodes} --node_rank {opts.node_rank} needs --master_addr (node 0's "
+                         "address, which every node can reach)")  # fmt: skip
+    if opts.rdzv_conf is not None:
+        raise ValueError("--rdzv_conf configures the c10d rendezvous; --node_rank uses the static one, which "
+                         "takes no settings: drop one of them")  # fmt: skip
+    return [f"--nnodes={opts.nnodes}", "--rdzv_backend=static", f"--node_rank={opts.node_rank}",
+            f"--master_addr={opts.master_addr}", f"--master_port={opts.master_port or DEFAULT_MASTER_PORT}"]
+
+
 def torchrun_args(opts: LaunchOptions, nproc_per_node: int, python: str = sys.executable) -> list[str]:
     """The argv that starts one torchrun agent for ``opts`` on this machine.
 
-    One node and no master address/port: ``--standalone``. Otherwise c10d
-    rendezvous at ``master_addr:master_port`` (address 127.0.0.1 and port
-    29500 when only the other one is given on one node). Raises ``ValueError``
-    when more than one node is requested without ``master_addr``.
+    One node and no master address/port: ``--standalone``. A ``node_rank`` with a
+    fixed node count above one: the static rendezvous, rank 0's agent hosting the store
+    at ``master_addr:master_port``. Otherwise c10d rendezvous at
+    ``master_addr:master_port`` (address 127.0.0.1 and port 29500 when only the other
+    one is given on one node). Raises ``ValueError`` when more than one node is
+    requested without ``master_addr``, and for ``rdzv_conf`` with the static rendezvous
+    (it configures only c10d's).
     """
     if nproc_per_node < 1:
         raise ValueError(f"nproc_per_node {nproc_per_node}: need at least one process per node")
@@ -193,6 +217,8 @@ def torchrun_args(opts: LaunchOptions, nproc_per_node: int, python: str = sys.ex
     args = [python, "-m", "torch.distributed.run"]
     if high == 1 and opts.master_addr is None and opts.master_port is None:
         args += ["--standalone", "--nnodes=1"]
+    elif high > 1 and opts.node_rank is not None:
+        args += _static_rendezvous(opts)
     else:
         if opts.master_addr is None and high > 1:
             raise ValueError(
@@ -208,10 +234,10 @@ def torchrun_args(opts: LaunchOptions, nproc_per_node: int, python: str = sys.ex
         ]
         if opts.rdzv_id is not None:
             args.append(f"--rdzv_id={opts.rdzv_id}")
-        if opts.rdzv_conf is not None:
-            args.append(f"--rdzv_conf={opts.rdzv_conf}")
-        if opts.node_rank is not None:
-            args.append(f"--node_rank={opts.node_rank}")
+        # Always given: torch's own defaults take ~45 s to re-form after a node loss.
+        args.append(f"--rdzv_conf={rendezvous_conf(opts.rdzv_conf)}")
+        # No --node_rank: c10d gives node ranks in order of arrival, and torchrun would
+        # only log that it ignores the flag.
     args += [f"--nproc_per_node={nproc_per_node}", f"--max_restarts={opts.max_restarts}"]
     if opts.local_rank_arg or opts.binds_cores:
         # What differs per rank is done in the rank's process ([Note: the rank shim]).
@@ -343,167 +369,89 @@ def ssh_commands(
     """
     if not hosts:
         raise ValueError("no hosts to launch on")
-    names = list(hosts)
-    if opts.nnodes is not None:
-        low, high = parse_nnodes(opts.nnodes)
-        if not low <= len(names) <= high:
-            raise ValueError(f"--nnodes {opts.nnodes} does not fit the {len(names)} selected hosts")
-        nnodes = _format_nnodes(low, len(names))
-    else:
-        nnodes = str(len(names))
-    master = opts.master_addr or names[0]
-    port = opts.master_port or DEFAULT_MASTER_PORT
+    host_opts = _agent_options(opts, list(hosts), rdzv_id)
     commands = []
-    for host in names:
+    for host in hosts:
         slots = list(hosts[host])
-        # No --node_rank: c10d rendezvous assigns node ranks itself and torchrun
-        # would only warn that it ignores the flag.
-        host_opts = dataclasses.replace(
-            opts, nnodes=nnodes, node_rank=None, master_addr=master, master_port=port, rdzv_id=rdzv_id
-        )
         argv = torchrun_args(host_opts, nproc_per_node=len(slots), python=python)
         host_env = dict(exports)
         if slots != list(range(slots_per_host[host])):
             host_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
-        remote = f"cd {shlex.quote(cwd)}"
-        if host_env:
-            remote += " && export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in host_env.items())
-        # exec: the agent replaces the shell, so the hang-up on disconnect reaches it directly.
-        remote += " && exec " + shlex.join(argv)
-        commands.append(["ssh", *ssh_options, host, remote])
+        commands.append(["ssh", *ssh_options, host, backends.shell_command(cwd, host_env, argv)])
     return commands
+
+
+def launcher_command(
+    launcher: str,
+    opts: LaunchOptions,
+    hosts: Mapping[str, Sequence[int]],
+    *,
+    slots_per_host: Mapping[str, int],
+    exports: Mapping[str, str],
+    cwd: str,
+    rdzv_id: str,
+    launcher_args: str = "",
+    python: str = sys.executable,
+) -> tuple[list[str], dict[str, str]]:
+    """The one command that starts ``opts`` on every host of ``hosts`` with ``launcher``
+    (``pdsh``, ``mpi`` or ``slurm``; see :mod:`terascale.launcher.backends`), and the
+    variables to set in that command's own environment. ``launcher_args`` (one string,
+    split as a shell would) go to the tool before the program. The master is
+    ``opts.master_addr`` or the first host, at ``opts.master_port`` or 29500; under
+    slurm only a master the user gave is passed (srun orders the hosts itself, and the
+    ranks take the first of its node list). Raises ``ValueError`` for what the tool
+    cannot do.
+    """
+    backends.check_fixed_world(opts, launcher)
+    extra = shlex.split(launcher_args)
+    env = dict(exports)
+    devices = backends.shared_visible_devices(launcher, hosts, slots_per_host)
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices
+    names = list(hosts)
+    master, port = opts.master_addr or names[0], opts.master_port or DEFAULT_MASTER_PORT
+    if launcher == "pdsh":
+        agent = torchrun_args(_agent_options(opts, names, rdzv_id), backends.processes_per_host(launcher, hosts),
+                              python=python)  # fmt: skip
+        # pdsh reaches the hosts over ssh, as the torchrun launcher does.
+        return backends.pdsh_command(names, backends.shell_command(cwd, env, agent), launcher_args=extra), {
+            "PDSH_RCMD_TYPE": "ssh"}  # fmt: skip
+    program = backends.rank_program(opts, python)
+    if launcher == "mpi":
+        env.update(MASTER_ADDR=master, MASTER_PORT=str(port))
+        counts = {host: len(slots) for host, slots in hosts.items()}
+        return backends.mpirun_command(counts, program, exports=env, cwd=cwd, launcher_args=extra), {}
+    if launcher == "slurm":
+        if opts.master_addr is not None:
+            env["MASTER_ADDR"] = opts.master_addr
+        if opts.master_port is not None:
+            env["MASTER_PORT"] = str(opts.master_port)
+        return backends.srun_command(hosts, program, launcher_args=extra), env
+    raise ValueError(f"--launcher {launcher!r}: choose one of {', '.join(backends.LAUNCHERS)}")
+
+
+def _agent_options(opts: LaunchOptions, names: list[str], rdzv_id: str) -> LaunchOptions:
+    """``opts`` for each host's torchrun agent of a launch over the hosts ``names``: c10d
+    rendezvous ``rdzv_id`` at ``opts.master_addr`` (default: the first host) and
+    ``opts.master_port`` (default 29500). No ``--node_rank``: the rendezvous assigns node
+    ranks itself, and torchrun would only warn that it ignores the flag."""
+    return dataclasses.replace(opts, nnodes=_nnodes_for(opts, len(names)), node_rank=None,
+                               master_addr=opts.master_addr or names[0],
+                               master_port=opts.master_port or DEFAULT_MASTER_PORT, rdzv_id=rdzv_id)  # fmt: skip
+
+
+def _nnodes_for(opts: LaunchOptions, selected: int) -> str:
+    """``opts.nnodes`` for the ``selected`` hosts: their count, or the elastic range up to it."""
+    if opts.nnodes is None:
+        return str(selected)
+    low, high = parse_nnodes(opts.nnodes)
+    if not low <= selected <= high:
+        raise ValueError(f"--nnodes {opts.nnodes} does not fit the {selected} selected hosts")
+    return _format_nnodes(low, selected)
 
 
 def _is_local_host(host: str) -> bool:
     return host in _LOCAL_NAMES or host in (socket.gethostname(), socket.getfqdn())
-
-
-# ---------------------------------------------------------------------------
-# running
-
-
-class _Terminated(Exception):
-    """SIGTERM arrived; unwinds to the cleanup that stops our children."""
-
-
-@contextmanager
-def _sigterm_as_exception() -> Iterator[None]:
-    # Signal handlers can only be installed from the main thread; elsewhere the
-    # caller's own handling applies.
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: object) -> None:
-        raise _Terminated
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _exit_code(returncode: int) -> int:
-    # Shell convention for "killed by signal N".
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def _stop(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
-    """Terminate still-running ``procs``, killing those that outlive ``grace_s``."""
-    live = [p for p in procs if p.poll() is None]
-    for proc in live:
-        proc.terminate()
-    deadline = time.monotonic() + grace_s
-    for proc in live:
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def run_local(argv: Sequence[str], env: Mapping[str, str] | None = None, grace_s: float = 30.0) -> int:
-    """Run the torchrun ``argv`` here and return its exit code (128+N if killed by signal N).
-
-    On Ctrl-C torchrun gets ``grace_s`` to stop its workers before it is
-    terminated; SIGTERM to this process is passed on to torchrun.
-    """
-    proc = subprocess.Popen(list(argv), env=None if env is None else dict(env))
-    try:
-        with _sigterm_as_exception():
-            return _exit_code(proc.wait())
-    except KeyboardInterrupt:
-        # A terminal's Ctrl-C reached torchrun too (same process group); signalling
-        # again would interrupt its own shutdown, so first just wait for it.
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            _stop([proc], grace_s)
-    except _Terminated:
-        _stop([proc], grace_s)
-    return _exit_code(proc.wait())
-
-
-def _pump(host: str, stream: IO[bytes], out: TextIO, lock: threading.Lock) -> None:
-    """Copy ``stream`` to ``out`` line by line, each line prefixed with ``host``."""
-    for raw in iter(stream.readline, b""):
-        # A remote pty ends lines with \r\n.
-        line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-        with lock:
-            out.write(f"{host}: {line}\n")
-            out.flush()
-    stream.close()
-
-
-def run_remote(
-    commands: Sequence[tuple[str, Sequence[str]]],
-    out: TextIO | None = None,
-    grace_s: float = 10.0,
-    poll_s: float = 0.1,
-) -> int:
-    """Run ``(host, argv)`` commands concurrently; stream output as ``host: line``.
-
-    Returns 0 when all succeed. As soon as one exits non-zero the others are
-    terminated and that exit code is returned; Ctrl-C/SIGTERM stop them all.
-    """
-    out = sys.stdout if out is None else out
-    lock = threading.Lock()
-    procs: list[subprocess.Popen] = []
-    pumps: list[threading.Thread] = []
-    try:
-        with _sigterm_as_exception():
-            for host, argv in commands:
-                proc = subprocess.Popen(
-                    list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-                )
-                procs.append(proc)
-                pump = threading.Thread(target=_pump, args=(host, proc.stdout, out, lock), daemon=True)
-                pump.start()
-                pumps.append(pump)
-            while True:
-                codes = [p.poll() for p in procs]
-                failed = [(host, c) for (host, _), c in zip(commands, codes) if c not in (None, 0)]
-                if failed:
-                    host, code = failed[0]
-                    with lock:
-                        print(f"terascale: {host} exited with code {code}; stopping the other hosts",
-                              file=sys.stderr, flush=True)
-                    _stop(procs, grace_s)
-                    return _exit_code(code)
-                if all(c == 0 for c in codes):
-                    return 0
-                time.sleep(poll_s)
-    except (KeyboardInterrupt, _Terminated):
-        _stop(procs, grace_s)
-        return 130
-    except BaseException:
-        # e.g. a command that cannot be started: do not leave the others running
-        _stop(procs, grace_s)
-        raise
-    finally:
-        for pump in pumps:
-            pump.join(timeout=5.0)
 
 
 def _check_local_cores(opts: LaunchOptions, nproc: int) -> None:
@@ -526,18 +474,30 @@ def launch(
     exclude: str = "",
     environ: Mapping[str, str] | None = None,
     cwd: str | None = None,
+    launcher: str = "torchrun",
+    launcher_args: str = "",
 ) -> int:
     """Start the job described by ``opts`` and return its exit code.
 
     Without ``hostfile``: one torchrun agent on this machine. With one: one
     agent per selected host over ssh (or locally, if the only host is this
-    machine). Raises ``ValueError`` for inconsistent options.
+    machine), or with ``launcher`` ``pdsh``, ``mpi`` or ``slurm`` one command of
+    that tool for every selected host, this machine included (:func:`launcher_command`).
+    Raises ``ValueError`` for inconsistent options.
     """
+    if launcher not in backends.LAUNCHERS:
+        raise ValueError(f"--launcher {launcher!r}: choose one of {', '.join(backends.LAUNCHERS)}")
+    if launcher == "torchrun" and launcher_args:
+        raise ValueError("--launcher_args go to --launcher pdsh, mpi or slurm; torchrun's settings are "
+                         "terascale run's own options")  # fmt: skip
     environ = restart_safe_environment(os.environ if environ is None else environ)
     cwd = os.getcwd() if cwd is None else cwd
     if hostfile is None:
         if include or exclude:
             raise ValueError("--include/--exclude select hosts from a --hostfile; give one")
+        if launcher != "torchrun":
+            raise ValueError(f"--launcher {launcher} starts the hosts of a --hostfile; give one (one machine: "
+                             "terascale run --nproc N)")  # fmt: skip
         nproc = opts.nproc or default_nproc()
         _check_local_cores(opts, nproc)
         argv = torchrun_args(opts, nproc_per_node=nproc)
@@ -547,6 +507,16 @@ def launch(
         raise ValueError("--node_rank is assigned per host when --hostfile is given; drop --node_rank")
     pool = read_hostfile(hostfile)
     hosts = select_resources(pool, include=include, exclude=exclude, nnodes=opts.nnodes, nproc=opts.nproc)
+    if launcher != "torchrun":
+        exports = remote_exports(environ, load_env_files([Path.home(), cwd]))
+        argv, extra_env = launcher_command(launcher, opts, hosts, slots_per_host=pool, exports=exports, cwd=cwd,
+                                           rdzv_id=opts.rdzv_id or uuid.uuid4().hex[:16], launcher_args=launcher_args)
+        if shutil.which(argv[0]) is None:
+            raise ValueError(f"--launcher {launcher}: {argv[0]} was not found on PATH; install it, or use "
+                             "--launcher torchrun (ssh)")  # fmt: skip
+        for host, slots in hosts.items():
+            print(f"terascale: starting {len(slots)} processes on {host} with {argv[0]}", file=sys.stderr, flush=True)
+        return run_local(argv, env={**environ, **extra_env})
     if len(hosts) == 1 and _is_local_host(next(iter(hosts))):
         host, slots = next(iter(hosts.items()))
         env = dict(environ)

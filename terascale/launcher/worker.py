@@ -4,7 +4,8 @@
 torchrun starts every rank the same way, so what differs per rank is done here, in the
 rank's own process: torchrun runs ``python -m terascale.launcher.worker [options] SCRIPT
 ARGS...``, which reads ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` from the environment torchrun
-set, then
+set (under ``--launcher mpi`` or ``slurm``, the launcher's own variables, read by
+:func:`terascale.comm.discovery.local_placement`), then
 
 - with ``--bind_cores_to_rank`` pins the process to its share of the cores
   (``os.sched_setaffinity``; DeepSpeed's launcher runs ``numactl -C`` for the same) and sets
@@ -16,6 +17,8 @@ set, then
   memory on the node of the cores it runs on, without numactl;
 - with ``--local_rank_arg`` passes ``--local_rank=N`` to the script, first among its
   arguments, as DeepSpeed's launcher does (scripts written for it parse the flag);
+- sets ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` in the environment, as torchrun does, where
+  mpirun or srun started the rank;
 
 and replaces itself (``exec``) with ``python -u SCRIPT ...`` (``-m`` for a module): the
 script runs as torchrun would have run it, in the same process, which torchrun watches.
@@ -30,6 +33,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from terascale.comm.discovery import local_placement  # imports no torch (see terascale.comm)
 from terascale.launcher.cores import bind_cores
 
 __all__ = ["main"]
@@ -50,15 +54,26 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     try:
-        local_rank = int(os.environ["LOCAL_RANK"])
-        local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
-    except (KeyError, ValueError):
-        raise SystemExit("terascale.launcher.worker runs under terascale run (torchrun sets LOCAL_RANK)") from None
+        placement = local_placement(os.environ)
+    except ValueError as exc:
+        raise SystemExit(f"terascale run: error: {exc}") from None
+    if placement is None:
+        raise SystemExit("terascale.launcher.worker runs under terascale run (torchrun sets LOCAL_RANK; "
+                         "mpirun and srun set their own local rank)")  # fmt: skip
+    local_rank, local_world_size = placement
     if args.bind_cores_to_rank:
+        if local_world_size is None:
+            raise SystemExit("terascale run: error: --bind_cores_to_rank needs the number of processes on this "
+                             "node, which the launcher did not say: export LOCAL_WORLD_SIZE")  # fmt: skip
         try:
             bind_cores(args.bind_core_list, local_world_size, local_rank)
         except ValueError as exc:
             raise SystemExit(f"terascale run: error: {exc}") from None
+    # As torchrun would have: scripts that pick their device from LOCAL_RANK before
+    # initialising anything find it under mpirun and srun too.
+    os.environ["LOCAL_RANK"] = str(local_rank)
+    if local_world_size is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
     command = [sys.executable, "-u", *(["-m"] if args.module else []), args.script]
     if args.local_rank_arg:
         command.append(f"--local_rank={local_rank}")

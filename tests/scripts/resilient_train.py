@@ -17,6 +17,7 @@ a named step on one rank, so they are the same on any machine:
   --fault nan:STEP:RANK          make RANK's gradient of one weight NaN in STEP
   --fault nanloss:STEP:RANK      make RANK's loss NaN in STEP
   --fault enospc:STEP:RANK       from STEP on, every write by RANK fails with ENOSPC
+  --fault enospc_once:STEP:RANK  the first write by RANK from STEP on fails with ENOSPC
   --fault slow:0:RANK            RANK's forward takes 0.2 s longer (a straggler; every attempt)
 With ``--reference`` it trains the same global batches in one process with plain PyTorch
 (``--skip STEP`` leaves out that step's update, ``--rollback STEP:TO`` restores the
@@ -82,10 +83,14 @@ class Fault:
         return self.armed and step == self.step and point == self.point
 
 
-def fail_writes() -> None:
-    """Every later write of this process fails as on a full disk (os.write/pwrite/pwritev)."""
+def fail_writes(once: bool = False) -> None:
+    """Every later write of this process fails as on a full disk (os.write/pwrite/pwritev);
+    ``once``: only the first (a disk that had room again soon after)."""
+    originals = os.write, os.pwrite, os.pwritev
 
     def full(*args: object, **kwargs: object) -> int:
+        if once:
+            os.write, os.pwrite, os.pwritev = originals
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     os.write = os.pwrite = os.pwritev = full  # type: ignore[assignment]
@@ -119,6 +124,7 @@ def train(args: argparse.Namespace) -> None:
             if fault.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             if fault.kind == "leave":
+                (out / "left_at").write_text(str(time.time()))
                 os.kill(os.getppid(), signal.SIGKILL)
                 os.kill(os.getpid(), signal.SIGKILL)
             if fault.kind == "termpeer":
@@ -128,9 +134,9 @@ def train(args: argparse.Namespace) -> None:
             if fault.kind == "sigterm":
                 fault.armed = False
                 os.kill(os.getpid(), signal.SIGTERM)
-            if fault.kind == "enospc":
+            if fault.kind in ("enospc", "enospc_once"):
                 fault.armed = False
-                fail_writes()
+                fail_writes(once=fault.kind == "enospc_once")
         loss = mse(engine(x), y)
         if fault.at(step, "forward") and fault.kind == "nanloss":
             fault.armed = False
@@ -154,7 +160,7 @@ def train(args: argparse.Namespace) -> None:
             window_loss = 0.0
             if log is not None:
                 record = {"step": engine.global_steps, "loss": float(total) / engine.dist.dp_world_size,
-                          "world": engine.dist.dp_world_size, "restart": restart, "skipped": engine.skipped_steps}
+                          "world": engine.dist.dp_world_size, "restart": restart, "skipped": engine.skipped_steps, "time": time.time()}
                 log.write(json.dumps(record) + "\n")
             if fault.at(step, "save"):
                 os.kill(os.getpid(), signal.SIGKILL)
