@@ -100,6 +100,10 @@ class Holder:
     step: int | None = None  # the step of the last save
     released: bool = False
 
+    def same_holder(self, other: Holder) -> bool:
+        """Whether ``other`` is this generation held by the same process."""
+        return (self.generation, self.host, self.pid) == (other.generation, other.host, other.pid)
+
     def describe(self, now: float | None = None) -> str:
         now = time.time() if now is None else now
         state = "released" if self.released else f"last heartbeat {max(now - self.heartbeat, 0.0):.1f} s ago"
@@ -254,10 +258,13 @@ class DirectoryLease:
         # Keep the previous generation for the record; older ones say nothing more, nor do
         # temporary files a holder killed mid-write left behind.
         for name in os.listdir(self.folder):
-            stem = name[:-5]
-            if (name.endswith(".json") and stem.isdigit() and int(stem) < generation - 1) or name.startswith(".tmp-"):
-                if not name.startswith(".tmp-") or self._clock() - _mtime(self.folder / name) > self.policy.expiry_s:
-                    (self.folder / name).unlink(missing_ok=True)
+            path = self.folder / name
+            if name.startswith(".tmp-"):
+                stale = self._clock() - _mtime(path) > self.policy.expiry_s  # not a contender's, mid-take
+            else:
+                stale = name.endswith(".json") and name[:-5].isdigit() and int(name[:-5]) < generation - 1
+            if stale:
+                path.unlink(missing_ok=True)
 
     def _write_tmp(self, holder: Holder) -> Path:
         tmp = self.folder / f".tmp-{uuid.uuid4().hex}"
@@ -289,7 +296,7 @@ class DirectoryLease:
                 self._mine = None
                 self._stop.set()
                 return
-            if holder.generation != mine.generation or holder.pid != mine.pid or holder.host != mine.host:
+            if not holder.same_holder(mine):
                 by = holder.describe(self._clock())
                 self._lost = LeaseLostError(
                     f"this job (lease generation {mine.generation} of '{self.root}') was silent for longer than "
@@ -316,7 +323,7 @@ class DirectoryLease:
             if mine is None or self._lost is not None:
                 return
             holder = self.current()
-            if holder is None or holder.generation != mine.generation or holder.pid != mine.pid:
+            if holder is None or not holder.same_holder(mine):
                 return  # taken over meanwhile: not ours to release
             try:
                 tmp = self._write_tmp(replace(mine, released=True, heartbeat=self._clock()))

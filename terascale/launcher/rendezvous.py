@@ -43,6 +43,7 @@ _INTEGER_KEYS = frozenset({
     "keep_alive_interval", "keep_alive_max_attempt", "read_timeout",
 })  # fmt: skip
 _OTHER_KEYS = frozenset({"is_host", "store_type"})
+_KEYS = sorted(_INTEGER_KEYS | _OTHER_KEYS)
 
 
 def parse_conf(spec: str | None) -> dict[str, str]:
@@ -56,9 +57,9 @@ def parse_conf(spec: str | None) -> dict[str, str]:
         key = key.strip()
         if not sep or not value.strip():
             raise ValueError(f"--rdzv_conf {spec!r}: write KEY=VALUE pairs separated by commas, got {pair!r}")
-        if key not in _INTEGER_KEYS | _OTHER_KEYS:
-            near = difflib.get_close_matches(key, sorted(_INTEGER_KEYS | _OTHER_KEYS), n=1)
-            hint = f"; did you mean '{near[0]}'?" if near else f"; known keys: {', '.join(sorted(_INTEGER_KEYS | _OTHER_KEYS))}"
+        if key not in _KEYS:
+            near = difflib.get_close_matches(key, _KEYS, n=1)
+            hint = f"; did you mean '{near[0]}'?" if near else f"; known keys: {', '.join(_KEYS)}"
             raise ValueError(f"--rdzv_conf: unknown key '{key}'{hint}")
         conf[key] = value.strip()
     return conf
