@@ -2,6 +2,7 @@
 
     python bench/offload.py --layers 8 --width 2048 --repeats 3 --steps 4      # the floor
     python bench/offload.py --layers 20 --width 4096 --repeats 1 --steps 2     # ~4B params
+    python bench/offload.py ... --step-in-backward false,auto                  # both, interleaved
 
 A GPT (``examples/gpt``) trains at ZeRO stage 3 in bf16 with its parameter shards
 (``offload_param``) and its fp32 masters and AdamW state (``offload_optimizer``) on
@@ -18,6 +19,8 @@ machine's disk speed drifts by 2x over minutes). The first step is left out: it 
 the optimizer state and moves different bytes. The largest-model figure is the same
 measurement on a model whose states exceed host memory. After the table, a timeline of
 rank 0's steps says how much of the I/O ran under compute (``bench/io_timeline.py``).
+``--step-in-backward`` sets ``offload_optimizer.step_in_backward`` ([Note: the optimizer
+step under backward]); several values run one job each per repeat, in turn.
 """
 
 from __future__ import annotations
@@ -54,6 +57,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--param-buffers", type=int, default=5, help="offload_param.buffer_count")
     p.add_argument("--fio-gib", type=float, default=2.0)
     p.add_argument("--aio", default="", help='the aio section: JSON, or "auto" (default: none, the engine\'s defaults)')
+    p.add_argument("--step-in-backward", default="auto",
+                   help="offload_optimizer.step_in_backward: auto, true or false; a comma list (false,auto) runs "
+                        "each in turn every repeat")
+    p.add_argument("--optimizer", default="AdamW", help="optimizer.type: AdamW, or AdamW8bit for 8-bit moments")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup", type=int, default=0, help="WarmupLR steps from 0 to --lr (0: constant --lr)")
+    p.add_argument("--data", choices=("random", "corpus"), default="random",
+                   help="random token ids, or the demo's text corpus as bytes (a loss that can fall; vocab 256)")
     p.add_argument("--json", default=str(ROOT / "runs" / "bench" / "offload.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -66,7 +77,9 @@ def _config(args: argparse.Namespace, nvme: str) -> dict:
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,
         "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+        "optimizer": {"type": args.optimizer, "params": {"lr": args.lr, "weight_decay": 0.0}},
+        **({"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.lr,
+                                                         "warmup_num_steps": args.warmup}}} if args.warmup else {}),
         "zero_optimization": {
             "stage": 3,
             "sub_group_size": args.sub_group_size,
@@ -79,10 +92,19 @@ def _config(args: argparse.Namespace, nvme: str) -> dict:
             "stage3_prefetch_bucket_size": int(0.9 * args.width * args.width),
             "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_count": args.param_buffers,
                               "buffer_size": 1_000_000_000, "max_in_cpu": 0},
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": args.opt_buffers},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": args.opt_buffers,
+                                  "step_in_backward": _mode(args.step_in_backward)},
         },
         **({"aio": json.loads(args.aio) if args.aio.startswith("{") else args.aio} if args.aio else {}),
+        # The largest models here fill the disk to its last few GiB: keep 3% free, not 10%.
+        "planner": {"margin": 0.03},
     }  # fmt: skip
+
+
+def _mode(value: str) -> str | bool:
+    if value not in ("auto", "true", "false"):
+        raise SystemExit(f"--step-in-backward: expected auto, true or false, got {value!r}")
+    return value if value == "auto" else value == "true"
 
 
 # -- one training job (runs under torchrun) ------------------------------------------------
@@ -141,16 +163,27 @@ def worker(args: argparse.Namespace) -> None:
     construct = time.perf_counter() - t0
     construct_peak = phase_peak()
     print(f"rank {dist.get_rank()}: {params:,} params built in {construct:.0f} s, peak RSS "
-          f"{construct_peak / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+          f"{construct_peak / 2**30:.2f} GiB, optimizer step under backward: {engine.steps_in_backward}",
+          file=sys.stderr, flush=True)
     gen = torch.Generator().manual_seed(dist.get_rank())
+    if args.data == "corpus":
+        from gpt import ByteBlocks, load_stdlib_corpus
+
+        if args.vocab != 256:
+            raise SystemExit("--data corpus reads bytes: use --vocab 256")
+        blocks = ByteBlocks(load_stdlib_corpus(max_bytes=4_000_000, seed=0).train, args.seq)
     activity = engine.offload_activity()
     activity.recording = True  # the spans the timeline is drawn from
     steps = []
     for _ in range(args.steps):
-        x = torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=gen)
+        if args.data == "corpus":
+            rows = torch.randint(0, len(blocks), (args.micro_batch,), generator=gen).tolist()
+            x, y = (torch.stack(t) for t in zip(*(blocks[i] for i in rows)))
+        else:
+            x = y = torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=gen)
         io0 = engine.offload_io()
         t = time.perf_counter()
-        loss = engine(x, x)
+        loss = engine(x, y)
         engine.backward(loss)
         t_fb = time.perf_counter()
         peak_fb = phase_peak()
@@ -180,7 +213,7 @@ def worker(args: argparse.Namespace) -> None:
     out = {
         "rank": dist.get_rank(), "params": params, "construct_s": construct, "build_s": built,
         "steps": steps, "nvme_bytes": mem["nvme"], "start_rss": start_rss, "peak_rss": peak_rss,
-        "construct_peak": construct_peak,
+        "construct_peak": construct_peak, "step_in_backward": engine.steps_in_backward,
         "swap_left": sorted(str(p) for p in Path(nvme).rglob("*.swp")),
     }  # fmt: skip
     results = [None] * dist.get_world_size()
@@ -203,7 +236,7 @@ def _disk_speed():
 
 def run_job(args: argparse.Namespace, result: Path) -> list[dict]:
     keep = ("dir", "threads", "steps", "micro_batch", "seq", "vocab", "width", "layers", "heads",
-            "sub_group_size", "opt_buffers", "param_buffers", "aio")
+            "sub_group_size", "opt_buffers", "param_buffers", "aio", "step_in_backward", "optimizer", "lr", "warmup", "data")
     forwarded = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keep]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            __file__, "--worker", f"--result={result}", *forwarded]
@@ -227,17 +260,22 @@ def main(argv: list[str] | None = None) -> None:
     disk_speed = _disk_speed()
     fio_bytes = int(args.fio_gib * 2**30) // 2**20 * 2**20
     print(f"disk: {shutil.disk_usage(directory).free / 2**30:.1f} GiB free in {directory}", file=sys.stderr)
+    modes = args.step_in_backward.split(",")
+    for mode in modes:
+        _mode(mode)
     repeats = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(args.repeats):
-                probe = directory / "raw.bin"
-                speeds = disk_speed(probe, fio_bytes, "overwrite")  # swap files are rewritten every step
-                disk = speeds["best"]
-                print(f"repeat {r}: raw disk (best of {', '.join(k for k in speeds if k != 'best')}) write "
-                      f"{disk['write']:.2f} GB/s read {disk['read']:.2f} GB/s", file=sys.stderr, flush=True)
-                ranks = run_job(args, Path(tmp) / f"job{r}.json")
-                repeats.append({"disk": disk, "ranks": ranks})
+                for mode in modes:  # interleaved: each mode once per repeat, on the disk of the moment
+                    probe = directory / "raw.bin"
+                    speeds = disk_speed(probe, fio_bytes, "overwrite")  # swap files are rewritten every step
+                    disk = speeds["best"]
+                    print(f"repeat {r}: raw disk (best of {', '.join(k for k in speeds if k != 'best')}) write "
+                          f"{disk['write']:.2f} GB/s read {disk['read']:.2f} GB/s", file=sys.stderr, flush=True)
+                    job = argparse.Namespace(**{**vars(args), "step_in_backward": mode})
+                    ranks = run_job(job, Path(tmp) / f"job{r}_{mode}.json")
+                    repeats.append({"repeat": r, "mode": mode, "disk": disk, "ranks": ranks})
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     out = Path(args.json)
@@ -254,11 +292,11 @@ def report(args: argparse.Namespace, repeats: list[dict]) -> None:
           f"{states / 1e9:.1f} GB), micro-batch {args.micro_batch} x {args.seq} tokens, {args.nproc} rank(s) x "
           f"{args.threads} thread(s), bf16, ZeRO-3, params and optimizer on NVMe; "
           f"{args.repeats} repeat(s) x {args.steps - 1} timed steps\n")
-    print("| repeat | step s (median) | fwd+bwd s | optimizer s | read GB/step | written GB/step | "
+    print("| repeat | step in backward | step s (median) | fwd+bwd s | optimizer s | read GB/step | written GB/step | "
           "raw read / write GB/s | floor s | step / floor | peak RSS GiB (growth) | build s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    ratios = []
-    for r, rep in enumerate(repeats):
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    ratios: dict[str, list[float]] = {}
+    for rep in repeats:
         ranks, disk = rep["ranks"], rep["disk"]
         timed = [rk["steps"][1:] for rk in ranks]
         # All ranks share the disk: the floor counts every rank's bytes.
@@ -267,20 +305,26 @@ def report(args: argparse.Namespace, repeats: list[dict]) -> None:
         written = statistics.median(sum(rk[i]["written"] for rk in timed) for i in range(len(timed[0])))
         floor = read / (disk["read"] * 1e9) + written / (disk["write"] * 1e9)
         step = statistics.median(steps)
-        ratios.append(step / floor)
+        ratios.setdefault(rep["mode"], []).append(step / floor)
         fwd = statistics.median(s["fwd_bwd"] for s in timed[0])
         opt = statistics.median(s["step"] for s in timed[0])
         peak = max(rk["peak_rss"] for rk in ranks)
         growth = max(rk["peak_rss"] - rk["start_rss"] for rk in ranks)
         left = sum(len(rk["swap_left"]) for rk in ranks)
-        print(f"| {r} | {step:.1f} | {fwd:.1f} | {opt:.1f} | {read / 1e9:.2f} | {written / 1e9:.2f} | "
-              f"{disk['read']:.2f} / {disk['write']:.2f} | {floor:.1f} | {step / floor:.2f} | "
+        mode = f"{rep['mode']} ({'on' if ranks[0]['step_in_backward'] else 'off'})"
+        print(f"| {rep['repeat']} | {mode} | {step:.1f} | {fwd:.1f} | {opt:.1f} | {read / 1e9:.2f} | "
+              f"{written / 1e9:.2f} | {disk['read']:.2f} / {disk['write']:.2f} | {floor:.1f} | {step / floor:.2f} | "
               f"{peak / 2**30:.2f} ({growth / 2**30:.2f}) | {ranks[0]['construct_s']:.0f} |"
               + ("" if not left else f" {left} swap files left!"))
-    print(f"\nstep / floor, median over repeats: {statistics.median(ratios):.2f}")
-    losses = [s["loss"] for s in first["steps"]]
-    print("losses (repeat 0, rank 0): " + ", ".join(f"{x:.4f}" for x in losses))
-    print_timeline(repeats[-1]["ranks"][0]["steps"])
+    for mode, values in ratios.items():
+        print(f"\nstep / floor, median over repeats ({mode}): {statistics.median(values):.2f}")
+    for mode in ratios:
+        rep = next(rep for rep in repeats if rep["mode"] == mode)
+        losses = [s["loss"] for s in rep["ranks"][0]["steps"]]
+        print(f"losses ({mode}, repeat 0, rank 0): " + ", ".join(f"{x:.4f}" for x in losses))
+    for mode in ratios:
+        print(f"\n### step_in_backward {mode}")
+        print_timeline([rep for rep in repeats if rep["mode"] == mode][-1]["ranks"][0]["steps"])
 
 
 def print_timeline(steps: list[dict]) -> None:

@@ -27,6 +27,7 @@ from terascale.engine.optimizer import OptimizerArg, SchedulerArg, check_optimiz
 from terascale.engine.parallel import check_layout, model_parallel_unit
 from terascale.offload.policy import unpinned_keys
 from terascale.pipe import PipelineEngine, PipelineModule
+from terascale.plan import plan_for_initialize
 from terascale.zero import WrapPolicy
 
 logger = logging.getLogger("terascale")
@@ -69,9 +70,13 @@ def initialize(
     mpu = model_parallel_unit(model, cfg, mpu)
     dist_ctx = init_distributed(mpu)
     check_layout(model, cfg, dist_ctx)
+    # [Note: the planner at initialize]: "auto" stage, offload, micro-batch and checkpointing
+    # chosen (or an explicit plan checked) before anything big is allocated.
+    planned = plan_for_initialize(model, cfg, world=dist_ctx.dp_world_size, rank=dist_ctx.rank,
+                                  training_data=training_data, collate_fn=collate_fn, wrap_policy=wrap_policy)
     # [Note: auto values]: what an integration gave is already in cfg; the rest comes
     # from the world size and the model as the user built it.
-    cfg = cfg.resolve(AutoContext(world_size=dist_ctx.dp_world_size, model=model))
+    cfg = cfg.resolve(AutoContext(world_size=dist_ctx.dp_world_size, model=model, given=planned))
     cfg.require_built()
     # Errors every rank raises alike, before the first collective.
     check_monitor_packages(cfg)

@@ -43,8 +43,11 @@ def _swap_rank(path: str, layers: int = 6) -> dict:
         "train_micro_batch_size_per_gpu": 4,
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 2, "sub_group_size": 4096, **_nvme(path, buffer_count=2)},
-    }
+        # The step after backward, whose reads ahead and gradient files this measures (with
+        # step_in_backward backward would step the runs itself: tests/test_step_in_backward.py).
+        "zero_optimization": {"stage": 2, "sub_group_size": 4096,
+                              **_nvme(path, buffer_count=2, step_in_backward=False)},
+    }  # fmt: skip
     engine, *_ = terascale.initialize(model=model, config=config)
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     read_in_backward = []

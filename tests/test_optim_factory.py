@@ -146,7 +146,7 @@ def test_deepspeed_only_optimizer_names_rejected():
         build_optimizer("OneBitAdam", {}, make_params())
     msg = str(err.value)
     assert "DeepSpeed optimizer that terascale does not provide" in msg
-    assert "Adam, AdamW, Lamb, SGD" in msg and "nearest: 'Adam'" in msg
+    assert "Adam, AdamW, Adam8bit, AdamW8bit, Lamb, SGD" in msg and "nearest: 'Adam'" in msg
     with pytest.raises(ValueError, match="ZeroOneAdam"):
         build_optimizer("ZeroOneAdam", {}, make_params())
 

@@ -71,7 +71,10 @@ class SavedBytes:
         if ptr not in self._params and ptr not in self._seen and not isinstance(t, nn.Parameter):
             self._seen.add(ptr)
             self._counts[self._stack[-1] if self._stack else ""] += storage.nbytes()
-        return t
+        # An alias without the graph: the tensor itself would tie a saved output to its own
+        # grad_fn in a cycle Python's collector cannot see, so a forward that is measured and
+        # never backpropagated (the planner's) would keep its whole graph alive.
+        return t.detach()
 
     def remove(self) -> None:
         for h in self._handles:

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from terascale.checkpoint.order import SliceOrder
+from terascale.optim.compact import is_compact
 
 MASTER = "master"
 PARAM = "param"
@@ -130,6 +132,25 @@ def create_optimizer_state(
                 state[key] = torch.zeros((), dtype=spec.dtype, device=master.device if on_device else "cpu")
         elif not (isinstance(have, torch.Tensor) and have.shape == master.shape):
             state[key] = torch.zeros(master.shape, dtype=spec.dtype, device=master.device)
+
+
+def optimizer_state_view(
+    optimizer: torch.optim.Optimizer, master: torch.Tensor, state: dict[str, object] | None = None
+) -> dict[str, object]:
+    """``master``'s optimizer state (default: ``optimizer.state[master]``) as a checkpoint
+    stores it: by value, so 8-bit moments appear as the fp32 ``exp_avg`` / ``exp_avg_sq``
+    Adam keeps ([Note: compact optimizer states]); other optimizers' state as it is."""
+    if is_compact(optimizer):
+        return optimizer.logical_state(master, state)
+    return optimizer.state.get(master, {}) if state is None else state
+
+
+def settle_loaded_state(optimizer: torch.optim.Optimizer, masters: Iterable[torch.Tensor]) -> None:
+    """After state was loaded by value into entries :func:`create_optimizer_state` made,
+    give it the optimizer's own form (8-bit moments encode it again)."""
+    if is_compact(optimizer):
+        for master in masters:
+            optimizer.set_logical_state(master)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,14 @@ terascale resolves them in three layers, so that a config means the same everywh
 ``Config.load`` keeps the positions of ``"auto"`` (reading them as absent, so a config
 that is only inspected still validates); ``Config.resolve`` (here: :func:`resolve_autos`)
 gives the values, and the engine refuses a config with unresolved ones.
+
+The memory planner owns five keys (``PLANNED_KEYS``; [Note: planned values] in
+``terascale.plan``): ``terascale.initialize`` chooses them from the model and the
+machine and gives them as in layer 1. An integration that resolves a config before
+``initialize`` (the Trainer, Lightning) passes them in ``AutoContext.defer``: they stay
+``"auto"`` for the planner. Resolved without the planner (``planner.enabled: false``, or
+``Config.resolve`` alone), ``"auto"`` in ``zero_optimization`` is DeepSpeed's default as
+below, and a planned key elsewhere is derived as below or is an error.
 """
 
 from __future__ import annotations
@@ -42,6 +50,14 @@ from terascale.config.paths import get as _get
 from terascale.config.paths import put as _set
 
 AUTO = "auto"
+# The "auto" values terascale.initialize's memory planner chooses ([Note: planned values]).
+PLANNED_KEYS = (
+    "zero_optimization.stage",
+    "zero_optimization.offload_optimizer.device",
+    "zero_optimization.offload_param.device",
+    "train_micro_batch_size_per_gpu",
+    "activation_checkpointing.policy",
+)
 
 _TRIPLET = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # Both spellings DeepSpeed accepts (JSON alias and field name) of the hidden-size keys.
@@ -83,11 +99,14 @@ class Given:
 @dataclass(frozen=True)
 class AutoContext:
     """What ``"auto"`` values are derived from: the data-parallel world size, the model
-    (for its hidden size) and the values an integration gives (key path -> Given)."""
+    (for its hidden size) and the values an integration gives (key path -> Given).
+    ``defer``: key paths whose ``"auto"`` stays for a later resolution if nothing given
+    fills it (the planner's keys, deferred to ``initialize``)."""
 
     world_size: int
     model: nn.Module | None = None
     given: Mapping[str, Given] = field(default_factory=dict)
+    defer: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -176,6 +195,9 @@ def resolve_autos(data: dict[str, Any], autos: Sequence[str], ctx: AutoContext) 
                 f"{path}: the config says {current!r} but {given.source} is {given.value!r}; "
                 'make them agree or write "auto"'
             )
+    # Deferred keys stay "auto" for a later resolution (the planner's, at initialize).
+    for path in [p for p in r.pending if p in ctx.defer]:
+        r.pending.remove(path)
     # 2. What the config and the run determine.
     r.triplet(ctx.world_size)
     hidden: int | None = None
@@ -204,6 +226,9 @@ def resolve_autos(data: dict[str, Any], autos: Sequence[str], ctx: AutoContext) 
         if path in _SET_BY:
             r.fail(path, f'"auto" cannot be derived here; give a value (the Hugging Face Trainer integration '
                          f"fills it from {_SET_BY[path]})")
+        elif path in PLANNED_KEYS:
+            r.fail(path, '"auto" is chosen by the memory planner in terascale.initialize (planner.enabled); '
+                         "without it, give a value")
         else:
             r.fail(path, '"auto" is not a value terascale can resolve for this key; give a value')
     if r.problems:

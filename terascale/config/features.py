@@ -153,6 +153,12 @@ def _never(cfg: Config) -> list[str]:
     return []
 
 
+def _step_in_backward(cfg: Config) -> list[str]:
+    offload = cfg.zero_optimization.offload_optimizer
+    value = "auto" if offload is None else offload.step_in_backward
+    return [] if value is False else [f"zero_optimization.offload_optimizer.step_in_backward={_fmt(value)}"]
+
+
 FEATURES: tuple[Feature, ...] = (
     # Built: listed so the table is the one place that says what terascale provides.
     Feature("fp16 mixed precision with loss scaling", True, _flags("fp16", "enabled")),
@@ -172,6 +178,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("optimizer offload to NVMe", True, _offload("offload_optimizer", "nvme")),
     Feature("parameter offload to CPU", True, _offload("offload_param", "cpu")),
     Feature("parameter offload to NVMe", True, _offload("offload_param", "nvme")),
+    Feature("NVMe optimizer step under backward", True, _step_in_backward),
     # Not built yet.
     Feature(
         "ZeRO++ quantized communication",

@@ -25,7 +25,10 @@ from terascale.config.elasticity import ElasticityConfig, resolve_elastic_batch
 from terascale.config.errors import ConfigError, from_validation_error, key_names, submodel
 from terascale.config.features import unbuilt_settings
 from terascale.config.health import HealthConfig
+from terascale.config.paths import MISSING
+from terascale.config.paths import get as get_path
 from terascale.config.parallel import PipelineConfig, TensorParallelConfig, data_parallel_size
+from terascale.config.planner import PlannerConfig
 from terascale.config.profiling import CommsLoggerConfig, FlopsProfilerConfig, TraceConfig
 from terascale.config.section import TORCH_DTYPES, DtypeName, Section, normalize_dtype_name
 from terascale.config.source import read_source
@@ -107,6 +110,7 @@ class ActivationCheckpointingConfig(Section):
     number_checkpoints: int | None = Field(None, gt=0)
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
+    # "auto" (the planner's choice) is read as absent, like every "auto" ([Note: planned values]).
     policy: Literal["none", "blocks", "every_n", "selective"] = "none"
     every_n: int = Field(2, gt=0)
     nvme_path: str | None = None
@@ -303,6 +307,8 @@ class Config(Section):
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 
     health: HealthConfig = Field(default_factory=HealthConfig)
+    # terascale's memory planner ("auto" stage, offload, micro-batch, checkpointing; caps).
+    planner: PlannerConfig = Field(default_factory=PlannerConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     # Recognised so DeepSpeed configs load; their inner keys are not modelled, and
@@ -424,9 +430,10 @@ class Config(Section):
             data, notes = upgrade(data)  # what a resolved value (a stage, say) makes moot
         except ConfigError as err:
             raise ConfigError(err.problems, source=self._label) from None
-        cfg = type(self)._validate(data, self._label)
+        left = tuple(p for p in self._autos if get_path(data, p) == "auto")  # deferred ([Note: auto values])
+        cfg = type(self)._validate(without(data, left), self._label)
         cfg._raw, cfg._notes, cfg._label = data, self._notes + tuple(notes), self._label
-        cfg._resolved = self._resolved + tuple(done)
+        cfg._autos, cfg._resolved = left, self._resolved + tuple(done)
         return cfg
 
     def __eq__(self, other: object) -> bool:
@@ -434,6 +441,19 @@ class Config(Section):
         return type(other) is type(self) and self.__dict__ == other.__dict__ and self._autos == other._autos
 
     __hash__ = Section.__hash__
+
+    def with_values(self, **values: Any) -> Config:
+        """This config with top-level ``values`` set, kept through a later :meth:`resolve`
+        (which validates the raw config again)."""
+        cfg = self.model_copy(update=values)
+        cfg._raw = {**self._raw, **values}
+        return cfg
+
+    def written(self, path: str) -> Any:
+        """The value the config wrote at the dotted ``path`` (``"auto"`` included, as
+        written), or None where it wrote nothing."""
+        value = get_path(self._raw, path)
+        return None if value is MISSING else value
 
     @property
     def auto_keys(self) -> tuple[str, ...]:

@@ -52,6 +52,10 @@ class OffloadOptimizerConfig(_OffloadTarget):
     super_offload: bool = False
     convert_grad_on_cpu: bool = True
     cpuadam_cores_perc: float = Field(0.8, ge=0.0, le=1.0)
+    # Beyond DeepSpeed: with "nvme", step each optimizer run under the window's last backward
+    # as soon as its gradients are final ([Note: the optimizer step under backward]):
+    # "auto" where the config allows it, true (an error where it does not), false (off).
+    step_in_backward: Literal["auto"] | bool = "auto"
 
     @property
     def pipeline(self) -> bool:

@@ -31,7 +31,7 @@ from terascale.engine.memory import memory_breakdown
 from terascale.engine.model_state import ModelState
 from terascale.engine.monitor import Reporter, StepTimers
 from terascale.engine.observe import Observer
-from terascale.engine.optimizer import OptimizerArg, SchedulerArg, engine_optimizer, engine_scheduler
+from terascale.engine.optimizer import OptimizerArg, SchedulerArg, engine_optimizer, engine_scheduler, step_in_backward
 from terascale.engine.parallel import join_model_parallel
 from terascale.engine.prepare import PreparedModel
 from terascale.engine.resilience import Resilience
@@ -86,6 +86,11 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
             loss_scaler=self.loss_scaler, lr_scheduler=self.lr_scheduler, data=self._data,
         )  # fmt: skip
         self._resilience = Resilience(config, dist_ctx, self._state, train, self._checkpointer, self._reporter)
+        # [Note: the optimizer step under backward]: with NVMe optimizer state, where allowed.
+        self.steps_in_backward = step_in_backward(
+            config, self._state, self.optimizer, self._layout,
+            checks_non_finite=self._resilience.checks_non_finite, begin=self._begin_update_in_backward,
+        )  # fmt: skip
         self._observe = Observer(
             config, dist_ctx, self.module, self._state, train, self._reporter,
             compute_dtype=self.precision.compute_dtype, train_batch_size=batch.train_batch_size,
@@ -274,9 +279,11 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients accumulated so far in this window (``set_to_none`` is
         accepted for ``nn.Module``'s signature; gradient buffers are kept for reuse)."""
-        if self._train.window is not WindowState.EMPTY:
-            self._state.zero_grad()
-        self._train.clear_window()
+        try:
+            if self._train.window is not WindowState.EMPTY:
+                self._state.zero_grad()
+        finally:  # also when the model state refuses ([Note: the optimizer step under backward])
+            self._train.clear_window()
 
     def window_grad_norm(self) -> torch.Tensor:
         """The global L2 norm of this window's reduced gradients, unscaled, before
@@ -337,6 +344,13 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
                 self.lr_scheduler.step()
         self._state.zero_grad()
         return applied, None if norm is None else float(norm)
+
+    def _begin_update_in_backward(self) -> torch.Tensor:
+        """What :meth:`_update` does before an update, for one that starts under the
+        window's last backward: let a background checkpoint write finish reading the state;
+        the gradient multiplier (as :meth:`_update` makes it: no clipping, no fp16 there)."""
+        self._checkpointer.before_update()
+        return torch.tensor(1.0 / self.loss_scaler.scale, device=self.device)
 
     @contextmanager
     def _phase(self, name: str, inputs: Any = None, *, timed: bool = True) -> Iterator[None]:

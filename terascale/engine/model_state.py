@@ -14,6 +14,9 @@ gradients and optimizer state, and that is behind :class:`ModelState`:
   (tied copies on other pipeline stages);
 - ``step(optimizer, multiplier)`` scales the gradients by ``multiplier`` (unscale and clip
   in one pass), steps the optimizer and writes the result back into the model;
+- ``step_in_backward(optimizer, begin)``: from then on, step under each window's last
+  backward where possible (stages 2-3 only: [Note: the optimizer step under backward]);
+  ``step`` then finishes what that backward left;
 - ``zero_grad()``, ``full_state_dict()``, ``memory()`` and ``remove_hooks()``;
 - ``checkpoint_params()`` and ``state_slices(optimizer, mode, optim_keys)``: the state as
   spans of named tensors for checkpoints (see ``[Note: logical checkpoints]``);
@@ -28,7 +31,7 @@ Stage 0 is :class:`ReplicatedState` (below); stages 1-3 are
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -47,6 +50,8 @@ from terascale.checkpoint.spans import (
     Span,
     create_optimizer_state,
     optimizer_slices,
+    optimizer_state_view,
+    settle_loaded_state,
 )
 from terascale.comm import GradientBuckets, ReducePolicy
 from terascale.comm.sparse import CommStats
@@ -74,6 +79,10 @@ class ModelState(Protocol):
     def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor, sum_norms: SumNorms | None = None) -> None:
         """Unscale/clip the window's gradients by ``multiplier`` and step. ``sum_norms``
         completes per-parameter norms that other ranks hold parts of (see ``SumNorms``)."""
+
+    def step_in_backward(self, optimizer: torch.optim.Optimizer, begin: Callable[[], torch.Tensor]) -> None:
+        """Step ``optimizer`` under each window's last backward where the gradients are
+        final (``begin()`` starts such a window and returns the multiplier)."""
 
     def zero_grad(self) -> None: ...
 
@@ -261,6 +270,9 @@ class ReplicatedState:
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         pass  # every optimizer sees whole parameters at stage 0
 
+    def step_in_backward(self, optimizer: torch.optim.Optimizer, begin: Callable[[], torch.Tensor]) -> None:
+        raise AssertionError("stage 0 reduces gradients at the step: nothing is final in backward")
+
     def checkpoint_params(self) -> dict[str, ParamInfo]:
         return {n: ParamInfo(tuple(p.shape), p.dtype, k) for (n, p), k in zip(self._named, self._opt_group)}
 
@@ -282,9 +294,11 @@ class ReplicatedState:
             if load and optim_keys:
                 create_optimizer_state(optimizer, master, optim_keys)
             if not load or optim_keys:
-                out.extend(optimizer_slices(optimizer.state.get(master, {}), name, start, end, start, with_scalars=load or start == 0))
+                out.extend(optimizer_slices(optimizer_state_view(optimizer, master), name, start, end, start, with_scalars=load or start == 0))
         yield out
         if load:
+            if optim_keys:
+                settle_loaded_state(optimizer, [self._masters.master_of(p) for i, (_, p) in enumerate(self._named) if self._opt_group[i] >= 0])
             self._masters.copy_to_model()
 
     def _parts(self, mode: SliceMode) -> list[tuple[int, int, int]]:

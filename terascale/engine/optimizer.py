@@ -17,6 +17,7 @@ from terascale.config import Config
 from terascale.engine.model_state import ModelState, adopt_optimizer
 from terascale.engine.parallel import ParallelLayout
 from terascale.optim import build_optimizer, build_scheduler
+from terascale.optim.lamb import Lamb
 
 OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None
 SchedulerArg = Any  # an LR scheduler instance or a callable(optimizer) -> scheduler
@@ -68,3 +69,55 @@ def engine_scheduler(lr_scheduler: SchedulerArg, config: Config, optimizer: torc
     if lr_scheduler is not None and not hasattr(lr_scheduler, "step") and callable(lr_scheduler):
         return lr_scheduler(optimizer)
     return lr_scheduler
+
+
+def step_in_backward(
+    config: Config,
+    state: ModelState,
+    optimizer: torch.optim.Optimizer,
+    layout: ParallelLayout,
+    *,
+    checks_non_finite: bool,
+    begin: Callable[[], torch.Tensor],
+) -> bool:
+    """Let ``state`` step ``optimizer`` under each window's last backward where
+    ``zero_optimization.offload_optimizer.step_in_backward`` asks for it (``true``) or
+    allows it (``"auto"``) and nothing in the config is in the way ([Note: the optimizer
+    step under backward]); ``true`` with something in the way is a ValueError naming it.
+    ``begin()`` is what ``engine.step()`` does before the update (see ``EarlyStep``).
+    Returns whether it is on."""
+    zero = config.zero_optimization
+    wanted = "auto" if zero.offload_optimizer is None else zero.offload_optimizer.step_in_backward
+    if wanted is False:
+        return False
+    device = "none" if zero.offload_optimizer is None else zero.offload_optimizer.device
+    reasons = []
+    if zero.stage not in (2, 3):
+        reasons.append(
+            f"it needs zero_optimization.stage 2 or 3, which reduce gradients during backward (stage is {zero.stage})"
+        )
+    if device != "nvme":
+        reasons.append(f"it applies to offload_optimizer.device 'nvme' (device is '{device}')")
+    if config.gradient_clipping > 0:
+        reasons.append(
+            f"gradient_clipping {config.gradient_clipping} scales the update by the norm of all gradients, known only "
+            "after backward; set gradient_clipping to 0"
+        )
+    if config.fp16.enabled:
+        reasons.append("fp16 checks the gradients for overflow after backward and skips the step if any; use bf16")
+    if checks_non_finite:
+        policy = config.health.non_finite.policy
+        reasons.append(f"health.non_finite.policy '{policy}' decides after backward whether the step is taken")
+    if isinstance(optimizer, Lamb):
+        reasons.append("Lamb's trust ratios need whole-parameter norms over every run before any update")
+    if layout.ties:
+        reasons.append("layers tied across pipeline stages sum their gradients after backward")
+    if reasons:
+        if wanted is True:
+            raise ValueError(
+                "zero_optimization.offload_optimizer.step_in_backward is true, but " + "; ".join(reasons)
+                + '. Set it to "auto" (on where allowed) or false'
+            )
+        return False
+    state.step_in_backward(optimizer, begin)
+    return True

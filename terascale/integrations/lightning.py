@@ -42,6 +42,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from terascale.config import AutoContext, Config, Given
+from terascale.config.auto import PLANNED_KEYS
 from terascale.engine import Engine
 from terascale.entry import initialize
 from terascale.integrations.optimizer import EngineOptimizer
@@ -163,9 +164,12 @@ class TerascaleStrategy(DDPStrategy):
             optimizer = optimizers[0]
         # Batch sizes count data-parallel replicas ([Note: data-parallel size]).
         replicas = self.config.data_parallel_size(self.world_size)
-        config = self.config.resolve(AutoContext(world_size=replicas, model=module, given=self._given(trainer)))
+        # The planner's keys stay "auto" for initialize ([Note: the planner at initialize]).
+        config = self.config.resolve(
+            AutoContext(world_size=replicas, model=module, given=self._given(trainer), defer=frozenset(PLANNED_KEYS))
+        )
         if optimizer is not None:
-            config = config.model_copy(update={"zero_allow_untested_optimizer": True})  # as Lightning's does
+            config = config.with_values(zero_allow_untested_optimizer=True)  # as Lightning's does
         self.engine, _, _, _ = initialize(model=module, optimizer=optimizer, config=config)
         self.model = self.engine
         self.optimizers = [EngineOptimizer(self.engine)]

@@ -41,6 +41,7 @@ from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader
 
 from terascale.config import AutoContext, Config, Given
+from terascale.config.auto import PLANNED_KEYS
 from terascale.engine import Engine
 from terascale.entry import initialize
 from terascale.integrations.optimizer import EngineOptimizer
@@ -263,12 +264,15 @@ class TerascaleTrainerMixin:
             return
         replicas = self._data_replicas()[0]
         given = trainer_given(self.args, num_training_steps, replicas)
-        config = self.terascale_config.resolve(AutoContext(world_size=replicas, model=self.model, given=given))
+        # The planner's keys stay "auto" for initialize ([Note: the planner at initialize]).
+        config = self.terascale_config.resolve(
+            AutoContext(world_size=replicas, model=self.model, given=given, defer=frozenset(PLANNED_KEYS))
+        )
         client = self.optimizer if isinstance(self.optimizer, torch.optim.Optimizer) else None
         if client is not None:
             # As the Trainer's DeepSpeed integration does: the optimizer the Trainer built
             # (TrainingArguments.optim) may step ZeRO's shards unless it needs whole tensors.
-            config = config.model_copy(update={"zero_allow_untested_optimizer": True})
+            config = config.with_values(zero_allow_untested_optimizer=True)
         engine, _, _, _ = initialize(model=self.model, optimizer=client, config=config)
         self.engine = engine
         self.optimizer = EngineOptimizer(engine)

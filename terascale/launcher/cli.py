@@ -1,4 +1,4 @@
-"""The ``terascale`` command line: ``terascale run ...``, ``estimate``, ``consolidate`` and ``env``.
+"""The ``terascale`` command line: ``terascale run ...``, ``plan``, ``estimate``, ``consolidate`` and ``env``.
 
 Each subcommand registers itself through one ``_add_<name>`` function and a
 handler, so later subcommands slot in without touching the others. Heavy
@@ -205,6 +205,57 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_plan(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="the memory planner's table: every plan's memory per rank and step time, and its choice",
+        description="Weigh the plans a config leaves open (\"auto\" in zero_optimization.stage, "
+        "offload_optimizer/offload_param.device, train_micro_batch_size_per_gpu, "
+        "activation_checkpointing.policy) for a model on this machine, without launching ranks, as "
+        "terascale.initialize does: memory per rank by category (runtime, parameters, gradients, "
+        "optimizer states, activations, working set) and tier (device, host, NVMe), the step-time "
+        "shape (compute, communication, offload I/O, optimizer), which plan is chosen and why. A config "
+        "without \"auto\" shows its own plan and whether it fits. Exit code 2 when nothing fits.",
+    )
+    p.add_argument("--model", required=True, metavar="SPEC",
+                   help="gpt:layers=4,width=512,heads=8,vocab=8192,seq=64 (the benchmarks' GPT); a Hugging "
+                   "Face config.json (or its folder) or model name (needs transformers); or module:callable "
+                   "returning an nn.Module or (module, sample)")
+    p.add_argument("--config", required=True, help="the config file (JSON or hjson), or JSON text")
+    p.add_argument("--world", type=int, default=1, metavar="N", help="data-parallel ranks (default 1)")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, default=None, metavar="L",
+                   help="ranks sharing this machine's memory and disk (default: all of --world)")
+    p.add_argument("--seq", type=int, default=None, help="tokens in the measured sample (gpt: its seq; HF: default 512)")
+    p.add_argument("--host-memory", default=None, metavar="SIZE",
+                   help="emulate a machine with this much host memory for the job, e.g. 8GiB (as planner.host_memory)")
+    p.add_argument("--device-memory", default=None, metavar="SIZE", help="emulate devices of this size (per rank)")
+    p.add_argument("--disk-space", default=None, metavar="SIZE", help="emulate this much free NVMe space")
+    p.set_defaults(handler=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from terascale.config import Config
+    from terascale.config.planner import parse_bytes
+    from terascale.plan import plan
+    from terascale.plan.choose import describe_need, fits
+    from terascale.plan.models import build_model
+
+    cfg = Config.load(args.config)
+    local = args.nproc_per_node or args.world
+    caps = {key: None if getattr(args, key) is None else parse_bytes(getattr(args, key))
+            for key in ("host_memory", "device_memory", "disk_space")}  # fmt: skip
+    per_rank = {key: None if v is None else v // (local if key != "device_memory" else 1) for key, v in caps.items()}
+    named = build_model(args.model, args.seq)
+    result = plan(named.module, cfg, world=args.world, local_ranks=local, sample=named.sample, call=named.call, **per_rank)
+    if named.note:
+        print(f"model spec: {named.note}")
+    print(result.table())
+    if not result.autos and not fits(result.chosen, result.machine, result.margin):
+        print(f"does not fit: {describe_need(result.chosen, result.machine, result.margin)}")
+        return 2
+    return 0
+
+
 def _add_consolidate(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "consolidate",
@@ -342,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_run(subparsers)
     _add_env(subparsers)
+    _add_plan(subparsers)
     _add_estimate(subparsers)
     _add_consolidate(subparsers)
     _add_elastic_config(subparsers)

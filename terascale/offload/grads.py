@@ -18,6 +18,9 @@ never read gradients back. The step reads each optimizer run's gradient pieces (
 their byte ranges, widened to 4 KiB blocks so that they go ``O_DIRECT``; every file is
 written to a whole number of blocks) one run ahead of the run being updated, into a
 second small pool of aligned buffers (:meth:`GradSwapper.reader`, :class:`RunReader`).
+When the optimizer steps under backward ([Note: the optimizer step under backward]) the
+last micro-step's shard of a group it steps goes to it from memory (:meth:`GradSwapper.final`):
+neither written nor read back.
 """
 
 from __future__ import annotations
@@ -81,6 +84,28 @@ class GradSwapper:
             self.norms[g] = l2_norm(shard)
         self.writes.write(buf, self._blocks(g, buf), self._file(g))
         self._stored[g] = self._on_disk[g] = True
+
+    @torch.no_grad()
+    def final(self, g: int, reduced: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Group ``g``'s window gradient, completed with ``reduced`` (the window's last
+        micro-step) in memory and not written: it is stepped at once ([Note: the optimizer
+        step under backward]). Its norm is taken as :meth:`store` would take it; ``out``
+        (``shard_numel[g]`` elements of ``dtype``) receives it if given."""
+        out = torch.empty(self.shard_numel[g], dtype=self.dtype) if out is None else out
+        if self._stored[g]:  # earlier micro-steps' sum, from the file
+            self.writes.finish_writes_to(self._file(g))
+            buf = self.writes.acquire()
+            try:
+                self.aio.sync_read(self._blocks(g, buf), self._file(g))
+                out.copy_(self._shard_view(g, buf))
+            finally:
+                self.pool.release(buf)
+            out.add_(reduced)
+        else:
+            out.copy_(reduced)
+        self.norms[g] = l2_norm(out)
+        self._stored[g] = False  # the file holds an earlier micro-step's sum: nothing to read back
+        return out
 
     def _shard_view(self, g: int, buf: torch.Tensor) -> torch.Tensor:
         return buf[: self.shard_numel[g] * self.dtype.itemsize].view(self.dtype)

@@ -34,6 +34,10 @@ that the buffers stay a few hundred MB (``sub_group_size`` caps them further).
 
 Each rank reads and writes only its own runs, so with one disk per rank (or one fast
 array) the aggregate bandwidth grows with the ranks.
+
+With ``step_in_backward`` the same pipeline runs under the window's last backward, run by
+run as each run's gradients become final (:meth:`step_one`, reads ahead in that order:
+[Note: the optimizer step under backward]).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from terascale.offload.swap import BufferPool, SwapDirectory, WriteBehind, round
 if TYPE_CHECKING:
     from terascale.zero.masters import ShardedMasters
 
+_SEGMENT_ALIGN = 64
 MASTER_KEY = "master"  # the segment of a piece's master (other keys: optimizer state)
 
 
@@ -64,7 +69,7 @@ class _Segment:
     key: str
     dtype: torch.dtype
     shape: torch.Size
-    offset: int  # bytes; a multiple of the alignment
+    offset: int  # bytes; a multiple of _SEGMENT_ALIGN
 
     @property
     def nbytes(self) -> int:
@@ -78,8 +83,10 @@ def _layout(entries: Sequence[tuple[int, str, torch.Tensor]]) -> tuple[list[_Seg
     segments, at = [], 0
     for piece, key, t in entries:
         segments.append(_Segment(piece, key, t.dtype, t.shape, at))
-        at = round_up(at + t.numel() * t.element_size())
-    return segments, at
+        # Segments 64-byte aligned (any dtype's views; small ones such as 8-bit moments'
+        # block scales add no 4 KiB of padding each), the file a whole number of blocks.
+        at = round_up(at + t.numel() * t.element_size(), _SEGMENT_ALIGN)
+    return segments, round_up(at)
 
 
 class OptimizerSwapper:
@@ -100,6 +107,7 @@ class OptimizerSwapper:
         *,
         pin_memory: bool = False,
         create_run: Callable[[list[int]], None] | None = None,
+        state_bytes: float = 8.0,
     ) -> None:
         self.masters = masters
         self.runs = [list(r) for r in runs]
@@ -110,9 +118,10 @@ class OptimizerSwapper:
         self._reads: dict[int, tuple[torch.Tensor, IoHandle]] = {}  # run -> read in flight
         self._layouts: list[list[_Segment]] = []
         self._nbytes: list[int] = []
-        # Masters (4 bytes) plus Adam's two moments (8): what the files will grow to.
+        # Masters plus the optimizer's state (``state_bytes`` an element: Adam's two fp32
+        # moments 8, 8-bit moments about 2): what the files will grow to.
         numel = sum(masters.pieces[i].hi - masters.pieces[i].lo for run in self.runs for i in run)
-        self.nbytes_expected = 3 * numel * masters.dtype.itemsize
+        self.nbytes_expected = int(numel * (masters.dtype.itemsize + state_bytes))
         directory.require_free(self.nbytes_expected, "offload_optimizer (masters and Adam state)")
         for k, run in enumerate(self.runs):
             (create_run or masters.create_run)(run)
@@ -129,32 +138,54 @@ class OptimizerSwapper:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def prefetch(self) -> None:
-        """Start reading the first runs into the buffers free now (none if none is)."""
-        for k in range(len(self.runs)):
+    def prefetch(self, order: Sequence[int] | None = None) -> None:
+        """Start reading runs, in ``order`` (default: run order), into the buffers free now
+        (none if none is)."""
+        for k in range(len(self.runs)) if order is None else order:
             if k in self._reads:
                 continue
             if not self.writes.available_now():
                 return
             self._read(k, self.pool.acquire())
 
-    def step(self, optimizer: torch.optim.Optimizer, step_run: Callable[[list[int]], None]) -> None:
-        """Call ``step_run(run)`` for every run with its masters and state swapped in.
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        step_run: Callable[[list[int]], None],
+        order: Sequence[int] | None = None,
+    ) -> None:
+        """Call ``step_run(run)`` for every run (those of ``order``, in that order; default:
+        all, in run order) with its masters and state swapped in.
 
         Reads run ahead of the step and writes behind it within the buffer pool; returns
         with the last writes in flight (see :meth:`flush`).
         """
-        for k, run in enumerate(self.runs):
-            if k not in self._reads:
-                self._read(k, self.writes.acquire())
-            if k + 1 < len(self.runs) and k + 1 not in self._reads and self.writes.available_now():
-                self._read(k + 1, self.pool.acquire())
-            buf, handle = self._reads.pop(k)
-            handle.wait()
-            self._bind(k, buf, optimizer)
-            step_run(run)
-            self._write(k, self._relayout(k, buf, optimizer))
-            self._unbind(k, optimizer)
+        order = list(range(len(self.runs))) if order is None else list(order)
+        for i, k in enumerate(order):
+            self.step_one(k, optimizer, step_run, order[i + 1 : i + 2])
+
+    def step_one(
+        self, k: int, optimizer: torch.optim.Optimizer, step_run: Callable[[list[int]], None], ahead: Sequence[int] = ()
+    ) -> None:
+        """Swap run ``k`` in (waiting for its read; reading it now if it was not read ahead),
+        call ``step_run`` on it and write it back behind; the first run of ``ahead`` starts
+        reading meanwhile if a buffer is free."""
+        if k not in self._reads:
+            self._read(k, self.writes.acquire())
+        for j in ahead[:1]:
+            if j not in self._reads and self.writes.available_now():
+                self._read(j, self.pool.acquire())
+        buf, handle = self._reads.pop(k)
+        handle.wait()
+        self._bind(k, buf, optimizer)
+        step_run(self.runs[k])
+        self._write(k, self._relayout(k, buf, optimizer))
+        self._unbind(k, optimizer)
+
+    def read_done(self, k: int) -> bool:
+        """Whether run ``k`` has been read ahead and its read has finished (stepping it
+        now would not wait)."""
+        return k in self._reads and self._reads[k][1].done()
 
     def flush(self) -> None:
         """Finish every write and drop every read ahead: the files are whole and no

@@ -36,7 +36,10 @@ them from memory, and their writes finish under it; a buffer goes back to the po
 its group is gathered and its writes are done. Only a shard the step wrote whole (every
 element of a parameter: no frozen ones) is kept; the rest of a staging buffer is padding.
 On the 16.8M-parameter GPT of ``bench/step_time.py`` this takes every parameter read out
-of the forward after a step.
+of the forward after a step. A step under backward ([Note: the optimizer step under
+backward]) writes the last groups first, while backward still fetches the first ones: its
+staging buffers cycle, and at its end those still held (the first groups', written last)
+are kept for the forward.
 """
 
 from __future__ import annotations
@@ -105,6 +108,7 @@ class OffloadedParams:
         self._staging: dict[int, _Staging] = {}  # groups the last step wrote, in its order
         self._kept = 0  # staging buffers of this step kept as fetches ([Note: staged shards])
         self._whole: dict[int, int] = {}  # elements of each shard that belong to a parameter
+        self._under_backward = False  # this step's writes run under backward ([Note: staged shards])
         if policy.device == "cpu":
             self.directory = self.aio = self.pool = None
             return
@@ -250,8 +254,11 @@ class OffloadedParams:
         if self.state.get(g, Residency.RESIDENT) is Residency.RESIDENT:
             fg.shard[lo : lo + values.numel()].copy_(values)
             return
+        if self._under_backward:  # other groups' fetches for backward go on
+            self._settle_group(g)
+        else:
+            assert not self._pending, "settle() before the step writes"
         assert self.state[g] is Residency.OFFLOADED, f"write to group {g} while {self.state[g]}"
-        assert not self._pending, "settle() before the step writes"
         staging = self._staging.get(g) or self._stage(g)
         # The buffer is laid out as the file: a piece's memory is as misaligned as its file
         # offset, so all of it but an unaligned head and tail goes O_DIRECT.
@@ -263,10 +270,17 @@ class OffloadedParams:
 
     def _stage(self, g: int) -> _Staging:
         """A pool buffer for group ``g``'s pieces in this step; the first groups' are kept
-        as their next fetch, the others cycle through what is left."""
-        keep = self._kept < self.pool.count - 1
+        as their next fetch, the others cycle through what is left. Under backward none is
+        kept yet (the pool serves backward's fetches; :meth:`finish_step` decides)."""
+        keep = self._kept < self.pool.count - 1 and not self._under_backward
         if not self.pool.available():  # wait for the oldest cycling buffer's writes
-            self._retire(next(h for h, st in self._staging.items() if not st.keep))
+            cycling = [h for h, st in self._staging.items() if not st.keep]
+            if cycling:
+                self._retire(cycling[0])
+            elif self._pending:  # under backward the buffers may be fetches: drop the one furthest ahead
+                self._drop_fetch(next(reversed(self._pending)))
+            else:  # a shard staged for a gather: it is read again instead
+                self._retire(next(iter(self._staging)))
         staging = _Staging(self.pool.acquire(), keep)
         self._kept += keep
         self._staging[g] = staging
@@ -276,11 +290,29 @@ class OffloadedParams:
         """Drop fetches and staged shards nobody gathered (a trace that changed), and wait
         for the last step's writes; before the step writes."""
         for g in list(self._pending):
-            buf, handle = self._pending.pop(g)
-            handle.wait()
-            self.pool.release(buf)
-            self.state[g] = Residency.OFFLOADED
+            self._drop_fetch(g)
         self._settle_staging()
+
+    def _drop_fetch(self, g: int) -> None:
+        buf, handle = self._pending.pop(g)
+        handle.wait()
+        self.pool.release(buf)
+        self.state[g] = Residency.OFFLOADED
+
+    def begin_writes_under_backward(self) -> None:
+        """The coming step writes its shards under backward, group by group as their
+        gradients are final ([Note: the optimizer step under backward]): fetches of the
+        groups backward still needs stay, and which staging buffers the next forward keeps
+        is decided by :meth:`finish_step`."""
+        self._under_backward = True
+
+    def _settle_group(self, g: int) -> None:
+        """Before group ``g``'s first write of a step under backward: drop a fetch of it,
+        and a shard the last step staged for a gather that never came."""
+        if g in self._pending:
+            self._drop_fetch(g)
+        if self.state.get(g) is Residency.STAGED:
+            self._retire(g)
 
     def _settle_staging(self) -> None:
         for g in list(self._staging):
@@ -291,6 +323,15 @@ class OffloadedParams:
         next fetches; the rest go back as their writes finish ([Note: staged shards])."""
         if self.pool is None:
             return
+        if self._under_backward:
+            # Backward wrote the last groups first and the first groups last: the staging
+            # buffers still held are the first groups', which the forward gathers first.
+            kept = 0
+            for g in sorted(self._staging):
+                staging = self._staging[g]
+                staging.keep = kept < self.pool.count - 1 and staging.written == self._whole[g]
+                kept += staging.keep
+            self._under_backward = False
         for g, staging in self._staging.items():
             if staging.keep and staging.written == self._whole[g]:
                 self.state[g] = Residency.STAGED

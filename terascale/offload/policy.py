@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,7 @@ class OptimizerOffload(_Tier):
 
     buffer_count: int = 4
     ratio: float = 1.0
+    state_bytes: float = 8.0  # optimizer state per element beside the master (Adam: 8)
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,12 @@ class ParamOffload(_Tier):
 
 def optimizer_offload(config: object) -> OptimizerOffload:
     """The :class:`OptimizerOffload` a validated :class:`terascale.config.Config` asks for."""
-    return _policy(OptimizerOffload, config.zero_optimization.offload_optimizer, config.aio, ("ratio",))
+    from terascale.optim.factory import state_bytes_per_element
+
+    policy = _policy(OptimizerOffload, config.zero_optimization.offload_optimizer, config.aio, ("ratio",))
+    section = config.optimizer
+    state = state_bytes_per_element(section.type if section else None, section.params if section else None)
+    return dataclasses.replace(policy, state_bytes=state)
 
 
 def param_offload(config: object) -> ParamOffload:

@@ -1,11 +1,13 @@
 """Optimizers and learning-rate schedules with DeepSpeed-compatible names and configs."""
 
+from terascale.optim.compact import CompactAdam
 from terascale.optim.cyclic import LRRangeTest, OneCycle
 from terascale.optim.factory import (
     SUPPORTED_OPTIMIZERS,
     SUPPORTED_SCHEDULERS,
     build_optimizer,
     build_scheduler,
+    state_bytes_per_element,
 )
 from terascale.optim.lamb import Lamb
 from terascale.optim.schedulers import LRSchedule
@@ -14,6 +16,7 @@ from terascale.optim.warmup import WarmupCosineLR, WarmupDecayLR, WarmupLR
 __all__ = [
     "SUPPORTED_OPTIMIZERS",
     "SUPPORTED_SCHEDULERS",
+    "CompactAdam",
     "LRRangeTest",
     "LRSchedule",
     "Lamb",
@@ -23,4 +26,5 @@ __all__ = [
     "WarmupLR",
     "build_optimizer",
     "build_scheduler",
+    "state_bytes_per_element",
 ]

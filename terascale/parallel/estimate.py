@@ -71,7 +71,9 @@ def _model_states(psi: float, stage: int, dp: int) -> float:
     return {1: 4 * psi + 12 * psi / dp, 2: 2 * psi + 14 * psi / dp, 3: 16 * psi / dp}[stage]
 
 
-def _dp_bytes(param_bytes: float, stage: int, dp: int, m: int) -> float:
+def dp_bytes(param_bytes: float, stage: int, dp: int, m: int) -> float:
+    """Bytes a rank sends per step over the data-parallel group at ZeRO ``stage`` for
+    ``param_bytes`` of parameters and ``m`` micro-batches (see [Note: 3D layout estimates])."""
     share = (dp - 1) / dp * param_bytes
     if stage <= 1:
         return 2 * share
@@ -115,7 +117,7 @@ def estimate_layouts(
             pp_bytes = 0.0 if pp == 1 else m * 2 * 2 * sbh
             for stage in stages:
                 out.append(LayoutEstimate(pp, tp, dp, stage, m, _model_states(psi, stage, dp), activations,
-                                          _dp_bytes(2 * psi, stage, dp, m) if dp > 1 else 0.0, tp_bytes, pp_bytes))  # fmt: skip
+                                          dp_bytes(2 * psi, stage, dp, m) if dp > 1 else 0.0, tp_bytes, pp_bytes))  # fmt: skip
     return out
 
 

@@ -40,6 +40,10 @@ without the all-reduce (plain data parallelism pays it once). A group's reductio
 the plan says is its last of the window passes ``last_micro_step`` to the gradient
 swapper (its norm is taken then); a norm left stale by a plan that did not hold is
 retaken at the window's end. Stage 1 reduces once per window and has nothing to skip.
+A shard completed on the window's last backward is final; where the optimizer steps under
+backward a listener (:class:`FinalGradients`) is told of each one then, and reductions
+already finished are completed at once rather than when the bucket overflows ([Note: the
+optimizer step under backward]).
 
 [Note: sparse rows in a group]
 With ``sparse_gradients`` a group holding parameters named in ``GradPolicy.sparse_params``
@@ -64,6 +68,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -91,6 +96,22 @@ class GradPolicy:
     predivide_factor: float = 1.0
     sparse_gradients: bool = False  # the config's sparse_gradients; off: a sparse gradient is an error
     sparse_params: frozenset[str] = frozenset()  # names of parameters with row-sparse gradients
+
+
+class FinalGradients(Protocol):
+    """Takes each group's gradient shard as it becomes final, on the window's last backward
+    (the optimizer step under backward: ``terascale.zero.early_step``)."""
+
+    def receive(self, g: int) -> torch.Tensor | None:
+        """A tensor to receive group ``g``'s final shard if it is handed over instead of being
+        swapped to disk ([Note: gradient swapping]), else None."""
+
+    def final(self, g: int, shard: torch.Tensor) -> None:
+        """Group ``g``'s gradient shard is final (summed over the window's backwards and the
+        ranks, averaged): ``shard`` stays valid until the window's gradients are zeroed."""
+
+    def poll(self) -> None:
+        """A gradient arrived: a moment to make progress (called often in backward)."""
 
 
 @dataclass
@@ -171,6 +192,9 @@ class ShardedGrads:
         self.rank = dist.get_rank(group)
         self.blocked_s = 0.0  # waiting for reduce-scatters ([Note: straggler compute time])
         self._on_group_done = on_group_done
+        # Set for a window whose optimizer steps under its last backward ([Note: the
+        # optimizer step under backward]): told of each final shard, polled from the hooks.
+        self.listener: FinalGradients | None = None
         self._expected = [sum(t) for t in trainable]
         # Backward runs roughly last group to first: launch in that order. At stage 3 the
         # persistent group gathers small parameters from the whole model (norms, biases of
@@ -275,6 +299,8 @@ class ShardedGrads:
                     self._launch_ready()
                 if self._on_group_done is not None:
                     self._on_group_done(g)
+            if self.listener is not None:
+                self.listener.poll()
 
         return hook
 
@@ -339,6 +365,11 @@ class ShardedGrads:
         while self._pending and (not pol.overlap or (in_flight > pol.bucket_numel and len(self._pending) > 1)):
             in_flight -= self._pending[0].comm.numel()
             self._complete(self._pending.pop(0))
+        if self.listener is not None and self._window_end:
+            # A listener steps a group's runs once its gradient is final: finish reductions
+            # that are done already (in order) rather than when the bucket overflows.
+            while self._pending and not self._pending[0].rows and _finished(self._pending[0].work):
+                self._complete(self._pending.pop(0))
 
     def _pack(self, g: int, flat: torch.Tensor) -> torch.Tensor:
         """The dense slots of sparse group ``g`` as ``world`` chunks: chunk r holds, in
@@ -405,6 +436,7 @@ class ShardedGrads:
             self._store(g, out)
         else:
             self.shards[g] = out
+            self._hand_over(g)
         if pol.reduce_every_micro_step:
             self._retire(g)
 
@@ -442,11 +474,22 @@ class ShardedGrads:
         else:
             self.shards[g].add_(reduced)
         self._retire(g)
+        self._hand_over(g)
+
+    def _hand_over(self, g: int) -> None:
+        """On the window's last backward, tell the listener group ``g``'s in-memory shard is final."""
+        if self.listener is not None and self._window_end:
+            self.listener.final(g, self.shards[g])
 
     def _store(self, g: int, reduced: torch.Tensor) -> None:
         """Hand group ``g``'s reduced shard to the swapper, saying whether the plan makes
         this its last reduction of the window ([Note: reduce what a backward touched])."""
         assert self.swapper is not None
+        out = self.listener.receive(g) if self._window_end and self.listener is not None else None
+        if out is not None:  # stepped under this backward: the final shard goes to the optimizer, not to disk
+            self.listener.final(g, self.swapper.final(g, reduced, out))
+            self._stale_norms.discard(g)
+            return
         k = len(self._window)  # this backward's index in the window
         last = self._window_end or (k < len(self._plan) and not any(g in later for later in self._plan[k + 1 :]))
         self.swapper.store(g, reduced, last_micro_step=last)
@@ -546,6 +589,12 @@ class ShardedGrads:
             h.remove()
         self._handles = []
 
+    @property
+    def scope(self) -> list[int]:
+        """The groups the current backward reduces, in launch order (the order their
+        reductions complete in: [Note: reduce what a backward touched])."""
+        return list(self._scope)
+
     # -- accounting ----------------------------------------------------------------------------
 
     def spare_nbytes(self) -> int:
@@ -561,3 +610,11 @@ class ShardedGrads:
                 seen.add(t.untyped_storage().data_ptr())
                 total += t.untyped_storage().nbytes()
         return total
+
+
+def _finished(work: object) -> bool:
+    """Whether a reduction in flight has finished (None: nothing was sent)."""
+    if work is None:
+        return True
+    is_completed = getattr(work, "is_completed", None)
+    return bool(is_completed()) if is_completed is not None else False

@@ -47,9 +47,12 @@ def _class_names(optimizer: torch.optim.Optimizer) -> list[str]:
 def check_shardable(optimizer: torch.optim.Optimizer, stage: int, allow_untested: bool) -> None:
     """Raise ValueError unless ``optimizer`` may step flat shards at ZeRO ``stage`` (1-3)
     (see ``[Note: optimizers on shards]``)."""
+    from terascale.optim.compact import is_compact
     from terascale.optim.lamb import Lamb
 
     name = type(optimizer).__name__
+    if is_compact(optimizer):  # elementwise: blocks are cut per piece, [Note: compact optimizer states]
+        return
     if isinstance(optimizer, Lamb):
         if optimizer.clips:
             raise ValueError(

@@ -28,6 +28,7 @@ from terascale.checkpoint.spans import OptimKey, ParamInfo, Slice, SliceMode
 from terascale.comm import all_gather_flat, duplicate_group, ops
 from terascale.comm.collectives import global_grad_sq_norm
 from terascale.offload import AsyncIO, OptimizerOffload, host_adam
+from terascale.optim.compact import is_compact
 from terascale.offload.aio import IoActivity, io_traffic
 from terascale.offload.grads import GradSwapper
 from terascale.offload.optimizer import OptimizerSwapper
@@ -37,6 +38,7 @@ from terascale.offload.swap import SwapDirectory
 from terascale.optim.lamb import Lamb
 from terascale.zero.flat_group import FlatParamGroup, FullBuffers, ShardState, keeps_full_buffers
 from terascale.zero.gather import owner_of, register_owner, unregister
+from terascale.zero.early_step import EarlyStep
 from terascale.zero.grads import GradPolicy, ShardedGrads
 from terascale.zero.host import (
     BOUNDED_HOST_MIN_NVME_BYTES,
@@ -179,6 +181,7 @@ class ShardedState:
         )
         if nvme and device.type == "cpu" and self._nvme_states_nbytes() < BOUNDED_HOST_MIN_NVME_BYTES:
             reuse_large_allocations()  # [Note: host memory with an NVMe tier]
+        self.early: EarlyStep | None = None  # see step_in_backward
 
     def _nvme_states_nbytes(self) -> int:
         """The bytes this rank's model states take on NVMe once training runs (the
@@ -220,7 +223,7 @@ class ShardedState:
         directory = SwapDirectory(tier.nvme_path, "optimizer", dist.get_rank())
         swapper = OptimizerSwapper(
             masters, offloaded, directory, self.swap_io, tier.buffer_count, pin_memory=tier.pin_memory,
-            create_run=lambda run: self._create_masters(masters, run),
+            create_run=lambda run: self._create_masters(masters, run), state_bytes=tier.state_bytes,
         )  # fmt: skip
         return masters, swapper
 
@@ -250,10 +253,18 @@ class ShardedState:
     def optimizer_param_groups(self) -> list[dict]:
         return self.masters.param_groups(self._options)
 
+    def step_in_backward(self, optimizer: torch.optim.Optimizer, begin: Callable[[], torch.Tensor]) -> None:
+        """From now on step ``optimizer``'s runs under each window's last backward where
+        their gradients are final ([Note: the optimizer step under backward]); ``begin()``
+        is called as such a backward starts and returns the update's multiplier."""
+        assert self.options.grads.reduce_every_micro_step and not isinstance(optimizer, Lamb)
+        self.early = EarlyStep(self, optimizer, begin)
+
     def prepare_backward(self, sync: bool) -> None:
         self.grads.prepare_backward(sync)
+        order = self.early.arm(self.grads.scope) if sync and self.early is not None else None
         if sync and self.swapper is not None:
-            self.swapper.prefetch()  # the step's first reads run under this backward
+            self.swapper.prefetch(order)  # the step's first reads run under this backward
 
     def post_backward(self) -> None:
         self.grads.post_backward()
@@ -283,6 +294,7 @@ class ShardedState:
         ``params`` must fill whole groups, so that every member of ``group``, holding the
         same parameters, has the same flat layout and each rank's shard lines up with
         its peers'."""
+        self._refuse_mid_step("summing tied gradients")
         for g in sorted(self._groups_of({id(p) for p in params})):
             assert {id(p) for p in self.groups[g].params} <= {id(p) for p in params}, "tied parameters share a group"
             swapper = self.grads.swapper
@@ -299,6 +311,9 @@ class ShardedState:
     def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor, sum_norms: SumNorms | None = None) -> None:
         """Unscale/clip by ``multiplier``, step each sub-group, refresh persistent groups.
         ``sum_norms`` completes Lamb's per-parameter norms over other ranks' slices."""
+        if self.early is not None and self.early.armed:  # most runs were stepped in backward
+            self.early.finish(multiplier)
+            return
         with self._run_grads() as grads_of:
             if isinstance(optimizer, Lamb):
                 self._step_by_parameter_norms(optimizer, multiplier, grads_of, sum_norms)
@@ -306,16 +321,53 @@ class ShardedState:
                 self._step_runs(optimizer, multiplier, grads_of)
 
     def _step_runs(
-        self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor, grads_of: Callable[[list[int]], list[torch.Tensor]]
+        self,
+        optimizer: torch.optim.Optimizer,
+        multiplier: torch.Tensor,
+        grads_of: Callable[[list[int]], list[torch.Tensor]],
+        runs: Sequence[list[int]] | None = None,
     ) -> None:
-        """Step each run with its gradients ``grads_of(run)``, writing the new values into
-        the parameter shards and re-gathering persistent groups behind it."""
+        """Step each run (of ``runs``; default: all) with its gradients ``grads_of(run)``,
+        writing the new values into the parameter shards and re-gathering persistent groups
+        behind it. Given ``runs``, the others were stepped under backward ([Note: the
+        optimizer step under backward]): nothing of theirs is settled or stepped again."""
+        if self.params is not None and runs is None:
+            self.params.settle()
+        step_run = self._run_stepper(optimizer, multiplier, grads_of)
+
+        # Runs go in group order (offloaded runs are the first ones); each group's
+        # all-gather starts as soon as its last run is done, under the next runs' updates.
+        regathers = _Regathers(self.groups, self.options.allgather_bucket_numel)
+
+        def step_and_regather(run: list[int]) -> None:
+            step_run(run)
+            regathers.launch_before(self.masters.pieces[run[-1]].group)
+
+        todo = {run[0] for run in (self.masters.runs if runs is None else runs)}  # runs are disjoint
+        swapped = set() if self.swapper is None else {i for run in self.swapper.runs for i in run}
+        if self.swapper is not None:
+            order = [k for k, run in enumerate(self.swapper.runs) if run[0] in todo]
+            self.swapper.step(optimizer, step_and_regather, order)
+        for run in self.masters.sub_groups():
+            if run[0] not in swapped and run[0] in todo:
+                step_and_regather(run)
+        if self.params is not None:
+            self.params.finish_step()
+        regathers.finish()
+
+    def _run_stepper(
+        self,
+        optimizer: torch.optim.Optimizer,
+        multiplier: torch.Tensor,
+        grads_of: Callable[[list[int]], list[torch.Tensor]],
+    ) -> Callable[[list[int]], None]:
+        """``step_run(run)``: one optimizer call over run ``run`` (its masters swapped in, if
+        on NVMe) with gradients ``grads_of(run) × multiplier``, and its new values written
+        into the parameter shards (or their tier)."""
         masters = self.masters.masters
         write = None if self.params is None else self.params.write_piece
-        if self.params is not None:
-            self.params.settle()
-
         fused_host = self.options.offload_optimizer.enabled and host_adam.supports(optimizer)
+        compact = is_compact(optimizer)
         run_index = {run[0]: k for k, run in enumerate(self.masters.runs)}  # runs are disjoint
 
         def step_run(run: list[int]) -> None:
@@ -324,6 +376,12 @@ class ShardedState:
 
         def step_run_now(run: list[int]) -> None:
             pieces = dict(zip(run, grads_of(run)))
+            if compact:
+                # [Note: compact optimizer states]: gradients widened per chunk, as on the host.
+                outs = [self._host_output(i, write) for i in run]
+                optimizer.step_with([masters[i] for i in run], [pieces[i] for i in run], multiplier, outs)
+                self.masters.write_to_shards([i for i, out in zip(run, outs) if out is None], write)
+                return
             if fused_host and all(masters[i].device.type == "cpu" for i in run):
                 # [Note: host Adam]: widen, step and narrow per cached chunk.
                 outs = [self._host_output(i, write) for i in run]
@@ -334,23 +392,7 @@ class ShardedState:
                 optimizer.step()
             self.masters.write_to_shards(run, write)
 
-        # Runs go in group order (offloaded runs are the first ones); each group's
-        # all-gather starts as soon as its last run is done, under the next runs' updates.
-        regathers = _Regathers(self.groups, self.options.allgather_bucket_numel)
-
-        def step_and_regather(run: list[int]) -> None:
-            step_run(run)
-            regathers.launch_before(self.masters.pieces[run[-1]].group)
-
-        swapped = set() if self.swapper is None else {i for run in self.swapper.runs for i in run}
-        if self.swapper is not None:
-            self.swapper.step(optimizer, step_and_regather)
-        for run in self.masters.sub_groups():
-            if run[0] not in swapped:
-                step_and_regather(run)
-        if self.params is not None:
-            self.params.finish_step()
-        regathers.finish()
+        return step_run
 
     def _step_by_parameter_norms(
         self,
@@ -407,17 +449,18 @@ class ShardedState:
         return Segments(self.masters.segments(self._param_number), len(self._param_number), self.group)
 
     @contextlib.contextmanager
-    def _run_grads(self) -> Iterator[Callable[[list[int]], list[torch.Tensor]]]:
-        """``run -> its pieces' gradients`` for the duration of a step; from swap files,
-        read one run ahead."""
+    def _run_grads(self, runs: Sequence[list[int]] | None = None) -> Iterator[Callable[[list[int]], list[torch.Tensor]]]:
+        """``run -> its pieces' gradients`` for the duration of a step (over ``runs``, in
+        that order; default: all runs); from swap files, read one run ahead."""
         swapper = self.grads.swapper
+        runs = self.masters.runs if runs is None else runs
         if swapper is None:
             pieces = self.masters.grad_pieces(self.grads.shards)
             yield lambda run: [pieces[i] for i in run]
             return
-        index = {run[0]: k for k, run in enumerate(self.masters.runs)}  # runs are disjoint
+        index = {run[0]: k for k, run in enumerate(runs)}  # runs are disjoint
         reader = swapper.reader(
-            [[(p.group, p.lo, p.hi) for p in (self.masters.pieces[i] for i in run)] for run in self.masters.runs]
+            [[(p.group, p.lo, p.hi) for p in (self.masters.pieces[i] for i in run)] for run in runs]
         )
         try:
             yield lambda run: reader.get(index[run[0]])
@@ -432,10 +475,19 @@ class ShardedState:
         shard = self.groups[piece.group].shard
         return shard[piece.lo : piece.hi] if shard.device.type == "cpu" else None
 
+    def _refuse_mid_step(self, what: str) -> None:
+        """Raise if the optimizer stepped under the window's last backward and
+        ``engine.step()`` is still to come ([Note: the optimizer step under backward])."""
+        if self.early is not None:
+            self.early.refuse(what)
+
     def zero_grad(self) -> None:
+        dropped_mid_step = None if self.early is None else self.early.abandon()
         self.grads.zero_()
         for m in self.masters.masters:
             m.grad = None
+        if dropped_mid_step is not None:  # dropped all the same: the next window starts clean
+            raise RuntimeError(dropped_mid_step)
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -445,6 +497,7 @@ class ShardedState:
 
         Collective: every rank of the group must call it.
         """
+        self._refuse_mid_step("reading the full parameters")
         out: dict[int, torch.Tensor] = {}
         # Swapped-out masters are read once for all groups, not once per group.
         with self._masters_resident(write_back=False):
@@ -485,10 +538,12 @@ class ShardedState:
         self, optimizer: torch.optim.Optimizer, mode: SliceMode, optim_keys: dict[str, OptimKey] | None = None
     ) -> Iterator[list[Slice]]:
         """This rank's shards as checkpoint spans, chunk by chunk (see ``[Note: logical checkpoints]``)."""
+        self._refuse_mid_step("reading or writing the state (a checkpoint save or load, safe_get_*/safe_set_*)")
         return sharded_slices(self, optimizer, mode, optim_keys)
 
     def grad_slices(self, mode: SliceMode) -> list[Slice]:
         """This rank's gradient shards as ``grad`` spans (see :func:`sharded_grad_slices`)."""
+        self._refuse_mid_step("reading the gradients (safe_get_full_grad, safe_get_local_grad)")
         return sharded_grad_slices(self.plans, self.groups, self.grads)
 
     def release_gathered(self) -> None:
@@ -525,7 +580,8 @@ class ShardedState:
             "grads": self.grads.nbytes(),
             "grad_buffers": self.grads.spare_nbytes(),
             "master_params": self.masters.nbytes(),
-            "offload_buffers": sum(t.nbytes_in_memory() for t in tiers),
+            "offload_buffers": sum(t.nbytes_in_memory() for t in tiers)
+            + (0 if self.early is None else self.early.nbytes_in_memory()),
             "nvme": sum(t.nbytes_on_disk() for t in tiers),
         }
 
@@ -549,6 +605,7 @@ class ShardedState:
     # -- GatheredParameters (see [Note: owner table]) ------------------------------------------
 
     def gather(self, params: list[nn.Parameter]) -> object:
+        self._refuse_mid_step("GatheredParameters")
         groups = sorted({self._group_of[id(p)] for p in params})
         was_sharded = [g for g in groups if self.groups[g].state is not ShardState.UNSHARDED]
         # A persistent group's shard is part of what the caller may change: keep a copy

@@ -25,6 +25,8 @@ from terascale.checkpoint.spans import (
     Span,
     create_optimizer_state,
     optimizer_slices,
+    optimizer_state_view,
+    settle_loaded_state,
 )
 from terascale.offload.optimizer import MASTER_KEY, OptimizerSwapper
 from terascale.offload.params import OffloadedParams
@@ -98,8 +100,9 @@ def sharded_slices(
         if k is not None and describe:
             layout = st.swapper.run_layout(k)
             states = {
-                i: {**_scalars(optimizer.state.get(masters.masters[i], {})),
-                    **{key: t for key, t in layout[i].items() if key != MASTER_KEY}}
+                i: optimizer_state_view(optimizer, masters.masters[i], {
+                    **_scalars(optimizer.state.get(masters.masters[i], {})),
+                    **{key: t for key, t in layout[i].items() if key != MASTER_KEY}})
                 for i in run
             }  # fmt: skip
             tensors = {i: layout[i][MASTER_KEY] for i in run}
@@ -111,9 +114,11 @@ def sharded_slices(
                 for i in run:
                     create_optimizer_state(optimizer, masters.masters[i], optim_keys)
             tensors = {i: masters.masters[i] for i in run}
-            states = {i: optimizer.state.get(masters.masters[i], {}) if (optim_keys or not load) else {} for i in run}
+            states = {i: optimizer_state_view(optimizer, masters.masters[i]) if (optim_keys or not load) else {} for i in run}
             yield _run_slices(st, run, tensors, states, with_all_scalars=load)
             if load:
+                if optim_keys:
+                    settle_loaded_state(optimizer, [masters.masters[i] for i in run])
                 masters.write_to_shards(run, write)
     if load:
         if st.params is not None:
