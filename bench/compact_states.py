@@ -1,7 +1,8 @@
 """8-bit optimizer states against fp32 Adam: the same training run of the demo GPT, twice.
 
     python bench/compact_states.py --n-layer 4 --n-embd 512 --steps 300
-    python bench/compact_states.py --n-layer 12 --n-embd 768 --steps 500   # ~85M, long
+    python bench/compact_states.py --n-layer 12 --n-embd 768 --n-head 12 --steps 500   # 85M, long
+    python bench/compact_states.py --n-layer 12 --n-embd 768 --n-head 12 --steps 500 --micro-batch 2 --block-size 64
 
 Runs ``examples/train_gpt.py`` (2 ranks, the demo's data, its config with warm-up and
 decay) with ``AdamW`` and with ``AdamW8bit`` ([Note: compact optimizer states]), the
@@ -28,6 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-embd", type=int, default=512)
     p.add_argument("--n-head", type=int, default=8)
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--micro-batch", type=int, default=None, help="micro-batch per rank (default: the demo config's 8)")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per sequence (default: the demo's)")
     p.add_argument("--zero", default='{"stage": 2}', help="zero_optimization section (JSON)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--out", default="runs/bench/compact_states")
@@ -42,6 +45,8 @@ def run(args: argparse.Namespace, optimizer: str) -> dict:
     config["zero_optimization"] = json.loads(args.zero)
     config["scheduler"]["params"]["total_num_steps"] = args.steps
     config["scheduler"]["params"]["warmup_num_steps"] = max(15, args.steps // 20)
+    if args.micro_batch is not None:
+        config["train_micro_batch_size_per_gpu"] = args.micro_batch
     if not args.bf16:
         config.pop("bf16", None)
     for key in ("flops_profiler", "comms_logger", "wall_clock_breakdown"):
@@ -53,6 +58,8 @@ def run(args: argparse.Namespace, optimizer: str) -> dict:
            "--config", str(out / "config.json"), "--out", str(out), "--steps", str(args.steps),
            "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd), "--n-head", str(args.n_head),
            "--sample-tokens", "0"]  # fmt: skip
+    if args.block_size is not None:
+        cmd += ["--block-size", str(args.block_size)]
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return json.loads((out / "metrics.json").read_text())
 
@@ -62,7 +69,10 @@ def main(argv: list[str] | None = None) -> None:
     names = [n.strip() for n in args.optimizers.split(",")]
     results = {name: run(args, name) for name in names}
     base = results[names[0]]
-    print(f"\nGPT {args.n_layer} x {args.n_embd}, {args.steps} steps, {args.nproc} ranks, zero {args.zero}\n")
+    micro = args.micro_batch or "8 (the demo's)"
+    block = args.block_size or "the demo's"
+    print(f"\nGPT {args.n_layer} x {args.n_embd}, {args.steps} steps, {args.nproc} ranks, micro-batch {micro} x "
+          f"{block} tokens, zero {args.zero}\n")
     print("| optimizer | loss step 1 | final loss (last 10) | vs " + names[0] + " | held-out end | vs " + names[0]
           + " | tokens/s | memory/rank MiB |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

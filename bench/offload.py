@@ -62,10 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "each in turn every repeat")
     p.add_argument("--optimizer", default="AdamW", help="optimizer.type: AdamW, or AdamW8bit for 8-bit moments")
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--warmup", type=int, default=0, help="WarmupLR steps from 0 to --lr (0: constant --lr)")
+    p.add_argument("--warmup", type=int, default=0, help="WarmupLR steps, linear from 0 to --lr (0: constant --lr)")
     p.add_argument("--data", choices=("random", "corpus"), default="random",
                    help="random token ids, or the demo's text corpus as bytes (a loss that can fall; vocab 256)")
     p.add_argument("--json", default=str(ROOT / "runs" / "bench" / "offload.json"))
+    p.add_argument("--plot", default=None, help="a PNG of the loss per step (repeat 0 of each mode)")
+    p.add_argument("--report", default=None, metavar="JSON", help="print the tables (and --plot) of an earlier --json")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -79,7 +81,8 @@ def _config(args: argparse.Namespace, nvme: str) -> dict:
         "bf16": {"enabled": True},
         "optimizer": {"type": args.optimizer, "params": {"lr": args.lr, "weight_decay": 0.0}},
         **({"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.lr,
-                                                         "warmup_num_steps": args.warmup}}} if args.warmup else {}),
+                                                         "warmup_num_steps": args.warmup,
+                                                         "warmup_type": "linear"}}} if args.warmup else {}),
         "zero_optimization": {
             "stage": 3,
             "sub_group_size": args.sub_group_size,
@@ -253,6 +256,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(args)
         return
+    if args.report:
+        saved = json.loads(Path(args.report).read_text())
+        report(argparse.Namespace(**{**saved["args"], "plot": args.plot}), saved["repeats"])
+        return
     if args.steps < 2:
         raise SystemExit("--steps must be at least 2 (the first step is left out)")
     directory = Path(args.dir)
@@ -322,9 +329,44 @@ def report(args: argparse.Namespace, repeats: list[dict]) -> None:
         rep = next(rep for rep in repeats if rep["mode"] == mode)
         losses = [s["loss"] for s in rep["ranks"][0]["steps"]]
         print(f"losses ({mode}, repeat 0, rank 0): " + ", ".join(f"{x:.4f}" for x in losses))
+    if getattr(args, "plot", None):
+        plot_losses(args, repeats, args.plot)
     for mode in ratios:
         print(f"\n### step_in_backward {mode}")
         print_timeline([rep for rep in repeats if rep["mode"] == mode][-1]["ranks"][0]["steps"])
+
+
+def plot_losses(args: argparse.Namespace, repeats: list[dict], path: str) -> None:
+    """The training loss of each step (rank 0, repeat 0 of each mode) and the learning
+    rate's warm-up, to ``path``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode in dict.fromkeys(rep["mode"] for rep in repeats):
+        steps = next(rep for rep in repeats if rep["mode"] == mode)["ranks"][0]["steps"]
+        ax.plot(range(1, len(steps) + 1), [s["loss"] for s in steps], marker="o", ms=3, lw=1,
+                label=f"step_in_backward {mode}")  # fmt: skip
+    ax.set_xlabel("step")
+    ax.set_ylabel("train loss")
+    params = repeats[0]["ranks"][0]["params"]
+    ax.set_title(f"{params / 1e9:.2f}B GPT ({args.layers} x {args.width}), {args.optimizer}, ZeRO-3 on NVMe")
+    if args.warmup:
+        lr = ax.twinx()
+        n = len(repeats[0]["ranks"][0]["steps"])
+        # DeepSpeed's WarmupLR: 0 before its first step (step 1), then iteration k - 2 at step k.
+        lr.plot(range(1, n + 1), [args.lr * min(1.0, max(0, i - 2) / args.warmup) for i in range(1, n + 1)],
+                color="grey", ls=":")  # fmt: skip
+        lr.set_ylabel("learning rate (dotted)")
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def print_timeline(steps: list[dict]) -> None:

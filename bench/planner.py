@@ -20,9 +20,9 @@ process's own, v1 or v2) or an address-space limit (``ulimit -v``). For each cas
   checkpointing), the ZeRO-Infinity example (stage 3, optimizer and parameters on NVMe,
   ``sub_group_size`` 1e8) and the NVMe demo (the same with ``sub_group_size`` 1e6), each
   under the same limit. One fits when it ran and, under a config cap, its measured peak
-  is within the cap less the planner's 10% margin, the test the planner's own plan passes
-  (the kernel enforces a cgroup or ulimit itself; the planner's check refuses some before
-  they allocate); the best is the fastest of those. The NVMe examples
+  is within the limit (a config cap or a cgroup) less the planner's 10% margin, the test
+  the planner's own plan passes (the kernel enforces a ulimit itself; the planner's check
+  refuses some before they allocate); the best is the fastest of those. The NVMe examples
   run only where no in-memory one fits (they would be slower).
 
 The table gives per case the chosen plan, predicted / measured peak per rank (worst rank),
@@ -262,10 +262,13 @@ MARGIN = 0.1  # the planner's default margin, held against every run alike
 
 
 def cap_per_rank(case: Case) -> float:
-    """The peak a run of ``case`` may reach per rank to fit: a config cap is the planner's
-    alone, so its share less the planner's margin (the same test the planner's plan passes);
-    the kernel enforces a cgroup or ulimit itself, so a run that ended fits."""
-    return case.node_bytes / case.world * (1 - MARGIN) if case.limit == "config" else float("inf")
+    """The peak a run of ``case`` may reach per rank to fit: the same test the planner's
+    plan passes, its share of the limit less the planner's margin, for a config cap and a
+    memory cgroup alike (a hand-written config that ran within a few percent of a cgroup's
+    limit is one longer batch from the OOM killer: it is not a config to hold a plan to).
+    An address-space limit bounds virtual memory, not the resident peak: there a run that
+    ended fits."""
+    return case.node_bytes / case.world * (1 - MARGIN) if case.limit in ("config", "cgroup") else float("inf")
 
 
 def refit(results: list[dict]) -> list[dict]:

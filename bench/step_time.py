@@ -61,6 +61,9 @@ SYSTEMS = (
     "terascale-3-cpu-8bit",
     "terascale-2-nvme-8bit",
     "terascale-3-nvme-8bit",
+    # Each rank's own share of a ZeRO step with no communication at all: its forward and
+    # backward and the update of its 1/N of the parameters (see _compute_floor)
+    "compute-floor",
 )
 NVME_SYSTEMS = tuple(s for s in SYSTEMS if "-nvme" in s)
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in NVME_SYSTEMS)
@@ -169,6 +172,46 @@ def _fsdp2(args: argparse.Namespace, model, device, reshard: bool = True):
     return _torch_step(model, opt)
 
 
+def _compute_floor(args: argparse.Namespace, model, device):
+    """The compute-only floor of a ZeRO step: what one rank computes, with nothing sent.
+
+    Every parameter and gradient is a view of one flat buffer (so backward accumulates
+    into it in place and nothing is copied), and torch's fused AdamW updates only this
+    rank's contiguous 1/N of the elements, as a ZeRO rank does. The ranks run concurrently
+    on the same cores but never communicate during a step, so the time is the per-rank
+    compute under the same CPU sharing, without the collectives and their copies.
+    Its parameters drift apart across ranks (no gradient is averaged): its losses are
+    not compared."""
+    import torch
+
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    model = model.to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = sum(p.numel() for p in params)
+    flat, flat_grad = torch.empty(total, device=device), torch.zeros(total, device=device)
+    offset = 0
+    for p in params:
+        view = flat[offset : offset + p.numel()]
+        view.copy_(p.detach().reshape(-1))
+        p.data = view.view_as(p)
+        p.grad = flat_grad[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+    per_rank = -(-total // world)
+    lo, hi = rank * per_rank, min(total, (rank + 1) * per_rank)
+    shard = flat[lo:hi]
+    shard.grad = flat_grad[lo:hi]
+    opt = torch.optim.AdamW([shard], lr=LR, weight_decay=0.0, fused=True)
+
+    def step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        flat_grad.zero_()
+        return loss
+
+    return step
+
+
 def _nvme_offload(args: argparse.Namespace, stage: int) -> dict:
     """The ``zero_optimization`` keys of the -nvme systems, the same for both libraries:
     optimizer state on NVMe, and at stage 3 every parameter shard too (``max_in_cpu: 0``;
@@ -209,6 +252,8 @@ def _deepspeed(args: argparse.Namespace, model, device, stage: int = 0, **zero):
 def _build(system: str, args: argparse.Namespace, model, device):
     if system == "ddp":
         return _ddp(args, model, device)
+    if system == "compute-floor":
+        return _compute_floor(args, model, device)
     if system.startswith("terascale-") and system.endswith(("-cpu", "-8bit")):
         # terascale-<stage>[-cpu|-nvme][-8bit]
         parts = system.split("-")
@@ -404,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
         peaks = max((res["peak_mib"] for res in runs[system]), key=max)
         losses = runs[system][0]["losses"]
         diff = max(abs(a - b) for res in runs[system] for a, b in zip(res["losses"], base_losses))
-        if not system.startswith("deepspeed") and not system.endswith("-8bit"):
+        if not system.startswith("deepspeed") and not system.endswith("-8bit") and system != "compute-floor":
             # 8-bit moments round the optimizer's state: their curve is compared with fp32's
             # in bench/compact_states.py, not held to fp32 rounding here.
             # [Note: DeepSpeed's losses] DeepSpeed's step differs from torch's AdamW on the same
@@ -418,6 +463,11 @@ def main(argv: list[str] | None = None) -> None:
               f"{statistics.median(ratios):.3f} | "
               f"{' / '.join(f'{p:.0f}' for p in peaks)} | {losses[0]:.5f} → {losses[-1]:.5f} | {diff:.1e} |"
               + (f" {' / '.join(f'{m:.0f}' for m in runs[system][0].get('swap_mib', []))} |" if nvme else ""))
+    if "compute-floor" in runs:
+        floor_rep = [statistics.median(res["times"][args.warmup:]) * 1e3 for res in runs["compute-floor"]]
+        print("\nstep / compute-only floor (median of per-repeat ratios): " + ", ".join(
+            f"{s} {statistics.median(statistics.median(r['times'][args.warmup:]) * 1e3 / f for r, f in zip(runs[s], floor_rep)):.3f}"
+            for s in systems if s != "compute-floor"))  # fmt: skip
     if worst > 1e-4:
         raise SystemExit(f"loss curves disagree by {worst:.2e} (> 1e-4): a system trains differently")
 

@@ -292,6 +292,36 @@ def test_an_explicit_setting_that_cannot_fit_is_refused_naming_the_category():
     assert "no plan fits this machine: the smallest, stage " in message and "with an nvme_path" in message
 
 
+def _initialized_under_a_cap(config: dict, seq: int, room: int) -> str:
+    import psutil
+
+    import terascale
+
+    torch.manual_seed(0)
+    model = Stack(layers=4, width=256)  # 2.4M parameters: 38 MB of states in bf16 + AdamW
+    cap = psutil.Process().memory_info().rss + room
+    try:
+        engine, *_ = terascale.initialize(model=model, config={**config, "planner": {"host_memory": cap}},
+                                          training_data=_tokens(seq, 8))  # fmt: skip
+    except ValueError as err:
+        return str(err)
+    engine.destroy()
+    return "not refused"
+
+
+def test_an_explicit_config_whose_activations_cannot_fit_is_refused_before_training():
+    """The states fit the cap; 16 samples of 4096 tokens keep ~2 GB for backward, which
+    the measured sample shows before anything is allocated. One sample a micro-batch fits."""
+    cfg = {"train_micro_batch_size_per_gpu": 16, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "bf16": {"enabled": True}, "zero_optimization": {"stage": 0}}  # fmt: skip
+    (message,) = run_ranks(_initialized_under_a_cap, 1, cfg, 4096, 400 << 20)
+    assert message.startswith("the memory planner refuses this config: the predicted peak is "), message
+    assert "activations" in message and "(micro-batch 16, checkpointing none)" in message
+    assert "Lower train_micro_batch_size_per_gpu" in message
+    (message,) = run_ranks(_initialized_under_a_cap, 1, {**cfg, "train_micro_batch_size_per_gpu": 1}, 4096, 400 << 20)
+    assert message == "not refused"
+
+
 # -- predictions that hold ------------------------------------------------------------------
 
 

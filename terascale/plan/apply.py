@@ -6,20 +6,23 @@
 before ``prepare_model``. With ``planner.enabled`` (the default):
 
 - a config with ``"auto"`` in a planned key ([Note: planned values]) is planned: the
-  model is profiled (its first ``training_data`` sample measured), the machine measured,
+  model is profiled (its first ``training_data`` sample measured, collated by the
+  ``collate_fn`` given to ``initialize`` as a batch of one), the machine measured,
   every plan weighed, and the chosen values are *given* to the config's resolution
   ([Note: auto values]), so ``engine.config`` holds them and ``engine.config.resolved``
   says why. Rank 0 logs the choice once (the whole table at debug level);
 - a config without any is checked: its runtime and model states per rank must fit each
-  tier's limit, else ``ValueError`` ([Note: choosing a plan]).
+  tier's limit, and where ``training_data`` gives a sample to measure, its whole predicted
+  peak too, else ``ValueError`` ([Note: choosing a plan]).
 
 Every rank must decide alike (a rank that refuses while the others go on would leave them
 waiting in a collective): the ranks exchange their machines and their plans
 (``all_gather_object`` over the world; the plans are the same list on every rank, their
 numbers differ where the ranks hold different layers or runtimes) and all decide from the
 smallest limits and, for each plan, the rank it fits worst. Planning on one process
-(``terascale plan``, tests) skips the exchange. The explicit check costs no measurement
-(no forward, no disk probe): a few milliseconds and that one collective.
+(``terascale plan``, tests) skips the exchange. The explicit check measures no disk: it
+runs the forwards of one sample where there is one (the bytes autograd keeps, so that the
+peak holds for explicit configs as for planned ones), and that collective.
 """
 
 from __future__ import annotations
@@ -128,7 +131,7 @@ def plan(
     cfg = Config.load(config)
     autos = tuple(p for p in cfg.auto_keys if p in PLANNED and p not in given)
     profile, machine = _measure(model, cfg, world, local_ranks or world, sample, call, wrap_policy, device_type, cast,
-                                measure_activations=bool(autos) or sample is not None)  # fmt: skip
+                                timed=bool(autos) or sample is not None)  # fmt: skip
     machine = emulated(machine, host=host_memory, device=device_memory, disk=disk_space)
     run = runtime if runtime is not None else machine.rss - profile.resident_bytes
     return _decide(profile, machine, cfg, autos, run, wrap_policy, model)
@@ -136,19 +139,27 @@ def plan(
 
 def _measure(model: nn.Module, cfg: Config, world: int, local_ranks: int, sample: Any, call: Any,
              wrap: WrapPolicy | None, device_type: str | None, cast: bool,
-             measure_activations: bool) -> tuple[ModelProfile, Machine]:  # fmt: skip
+             timed: bool) -> tuple[ModelProfile, Machine]:  # fmt: skip
+    """The model's profile (activations measured on ``sample`` where there is one) and the
+    machine; ``timed``: also the disk's speed (only a choice between plans needs it).
+
+    Where a sample is measured, the same forwards and the optimizer's warm-up run for a
+    check as for a choice: what they leave in the heap (kernels loaded, the allocator's
+    first arenas) is part of the runtime the prediction starts from, and the memory
+    model's constants were fitted with it there."""
     planner = cfg.planner
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    measured = sample is not None
     profile = profile_model(
-        model, wrap=wrap, compute_dtype=cfg.compute_dtype, sample=sample if measure_activations else None, call=call,
-        cast=cast and measure_activations, batch_timing="train_micro_batch_size_per_gpu" in cfg.auto_keys,
+        model, wrap=wrap, compute_dtype=cfg.compute_dtype, sample=sample, call=call, cast=cast and measured,
+        timing=measured, batch_timing=measured and "train_micro_batch_size_per_gpu" in cfg.auto_keys,
     )  # fmt: skip
-    if measure_activations:
+    if timed or measured:
         host_adam_rate()  # the optimizer's first step loads its kernels: part of the runtime, measured below
     machine = measure_machine(
         device_type=device_type, world=world, local_ranks=local_ranks, local_rank=int(os.environ.get("LOCAL_RANK", 0)),
         nvme_path=nvme_path(cfg), host_cap=planner.host_memory, device_cap=planner.device_memory,
-        disk_cap=planner.disk_space, disk_bandwidth=planner.disk_bandwidth, measure_disk=measure_activations,
+        disk_cap=planner.disk_space, disk_bandwidth=planner.disk_bandwidth, measure_disk=timed,
     )  # fmt: skip
     return profile, machine
 
@@ -208,7 +219,9 @@ def plan_for_initialize(
         return {}
     autos = tuple(p for p in cfg.auto_keys if p in PLANNED and p not in (given or {}))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    sample = first_sample(training_data, collate_fn) if autos else None
+    # An explicit config that the check may refuse is measured too, so that its peak is known.
+    measure = bool(autos) or cfg.planner.refuse_explicit
+    sample = first_sample(training_data, collate_fn) if measure else None
     if sample is not None:
         device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
         sample = _to(sample, device)
@@ -219,7 +232,7 @@ def plan_for_initialize(
     try:
         decision = _decision(choices, candidates, machine, cfg.planner.margin)
         if not autos and cfg.planner.refuse_explicit:
-            check_explicit(decision.chosen, machine)
+            check_explicit(decision.chosen, machine, whole_peak=_measured_everywhere(profile))
     except ValueError as err:
         raise ValueError(f"the memory planner refuses this config: {err}") from None
     global _LAST
@@ -230,6 +243,17 @@ def plan_for_initialize(
         logger.info("planner: %s", decision.reason)
         logger.debug("planner:\n%s", _LAST.table())
     return _LAST.given()
+
+
+def _measured_everywhere(profile: ModelProfile) -> bool:
+    """Whether every rank measured its activations (each decides alike, see [Note: the
+    planner at initialize]); one rank's failed measurement leaves only the states checked."""
+    measured = profile.activations.source == "measured"
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return measured
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, measured)
+    return all(every)
 
 
 def last_plan() -> PlanResult | None:

@@ -9,10 +9,12 @@ within ``TIE`` of that step are taken as equal, and among them the lowest stage 
 communication and machinery), then no checkpointing, then the largest micro-batch win.
 
 Nothing fits: a ValueError that names the smallest plan (the least memory on the tier
-that is most over its limit) and what it needs. An explicit setting is checked the same
-way, but only its model states and the runtime (a lower bound): it is refused only when
-even those exceed the limit, naming the category that overflows, by how much, and what
-would make it fit.
+that is most over its limit) and what it needs. An explicit setting is checked without
+the margin (it is the user's choice): first its model states and the runtime, naming the
+category that overflows, by how much, and what would make it fit; then, where one sample
+was measured ([Note: the model's profile]) so that the activations are known, its whole
+predicted peak, naming what forward and backward add on top of the states. Without a
+measurement the activations are unknown and only the states are held to the limit.
 """
 
 from __future__ import annotations
@@ -122,9 +124,34 @@ def _advice(machine: Machine) -> str:
     return ": " + "; ".join(tips)
 
 
-def check_explicit(candidate: Candidate, machine: Machine) -> None:
+def check_explicit(candidate: Candidate, machine: Machine, whole_peak: bool = False) -> None:
     """Refuse ``candidate`` (an explicit setting) when its runtime and model states alone
-    exceed a tier's limit, naming the overflowing category (see [Note: choosing a plan])."""
+    exceed a tier's limit, naming the overflowing category, or with ``whole_peak`` (the
+    activations were measured) when its predicted peak does (see [Note: choosing a plan])."""
+    _check_states(candidate, machine)
+    if whole_peak:
+        _check_peak(candidate, machine)
+
+
+def _check_peak(candidate: Candidate, machine: Machine) -> None:
+    for tier in TIERS:
+        limit, need = limit_of(machine, tier), candidate.need(tier)
+        if need <= 0 or limit is None or need <= limit.bytes:
+            continue
+        cats = by_category(list(candidate.parts), tier)
+        states = sum(cats[k] for k in _STATES)
+        extra = ", ".join(f"{k} {v / _GIB:.2f}" for k, v in cats.items() if k not in _STATES and v > 0)
+        s = candidate.shape
+        raise ValueError(
+            f"the predicted peak is {need / _GIB:.2f} GiB of {_tier_name(tier)} per rank, {(need - limit.bytes) / _GIB:.2f} "
+            f"GiB over its {limit.bytes / _GIB:.2f} GiB ({limit.source}): the runtime and model states take "
+            f"{states / _GIB:.2f} GiB and training adds {extra} GiB (micro-batch {s.micro_batch}, checkpointing "
+            f"{s.policy}). Lower train_micro_batch_size_per_gpu (raising gradient_accumulation_steps), checkpoint "
+            f"activations (activation_checkpointing.policy \"blocks\"), or write \"auto\" and let the planner choose"
+        )  # fmt: skip
+
+
+def _check_states(candidate: Candidate, machine: Machine) -> None:
     for tier in TIERS:
         limit = limit_of(machine, tier)
         cats = by_category(list(candidate.parts), tier)

@@ -122,6 +122,7 @@ def profile_model(
     sample: Any = None,
     call: Callable[[nn.Module, Any], Any] | None = None,
     cast: bool = True,
+    timing: bool = True,
     batch_timing: bool = True,
 ) -> ModelProfile:
     """The :class:`ModelProfile` of ``model`` (see [Note: the model's profile]).
@@ -131,8 +132,9 @@ def profile_model(
     tuple or list, else ``model(sample)``). ``cast`` lets the planner cast a materialised
     model to ``compute_dtype`` in place before measuring (``prepare_model`` would cast it
     next anyway); without it the measurement runs in the model's own dtype.
-    ``batch_timing``: also time a forward of ``TIMED_BATCH`` samples (the cost per call,
-    which only the choice of a micro-batch needs).
+    ``timing``: time the forward (only a choice between plans needs it; a check needs the
+    bytes alone); ``batch_timing``: also time a forward of ``TIMED_BATCH`` samples (the
+    cost per call, which only the choice of a micro-batch needs).
     """
     wrap = wrap or WrapPolicy()
     params = list(dict.fromkeys(model.parameters()))
@@ -152,7 +154,7 @@ def profile_model(
     blocks = {n: m for n, m in wrapped_modules(model, wrap).items() if n and id(m) not in {id(t) for t in tiles_of(model)}}
     acts = Activations("unknown", note="no sample to measure (pass training_data) and no shape in the model's config")
     if materialized and sample is not None:
-        acts = measure_activations(model, blocks, sample, call, batch_timing)
+        acts = measure_activations(model, blocks, sample, call, batch_timing, timing)
     if acts.source != "measured" and None not in (hidden, heads, layers, seq):
         acts = _formula(hidden, heads, layers, seq, acts.note)
     dtype_bytes = torch.empty(0, dtype=compute_dtype).element_size()
@@ -223,8 +225,10 @@ def measure_activations(
     sample: Any,
     call: Callable[[nn.Module, Any], Any] | None = None,
     batch_timing: bool = True,
+    timing: bool = True,
 ) -> Activations:
-    """Bytes one forward of ``sample`` keeps for backward (per sample), by block, and its time."""
+    """Bytes one forward of ``sample`` keeps for backward (per sample), by block, and (with
+    ``timing``) its time."""
     inputs: dict[str, int] = {}
 
     def count_input(name: str):
@@ -243,17 +247,19 @@ def measure_activations(
                 out = (call or call_model)(model, sample)
             del out
             elapsed = time.perf_counter() - start
+            larger, big = None, 0.0
             # The first forward pays one-time costs (kernel selection, first allocations): time a
             # second, and one of TIMED_BATCH times the sample, for the cost per call and per sample.
             with torch.no_grad():
-                start = time.perf_counter()
-                (call or call_model)(model, sample)
-                elapsed = min(elapsed, time.perf_counter() - start)
-                larger = _repeat(sample, TIMED_BATCH) if batch_timing else None
-                start = time.perf_counter()
+                if timing:
+                    start = time.perf_counter()
+                    (call or call_model)(model, sample)
+                    elapsed = min(elapsed, time.perf_counter() - start)
+                    larger = _repeat(sample, TIMED_BATCH) if batch_timing else None
                 if larger is not None:
+                    start = time.perf_counter()
                     (call or call_model)(model, larger)
-                big = time.perf_counter() - start
+                    big = time.perf_counter() - start
         except Exception as err:  # any model code: the plan falls back to the formulas
             return Activations("unknown", note=f"measuring one sample failed ({type(err).__name__}: {err})")
         finally:
@@ -275,7 +281,7 @@ def measure_activations(
         block_inputs=sum(inputs.values()) / batch,
         largest_block=max(inside, default=0.0),
         blocks=len(blocks),
-        forward_s=per_sample,
+        forward_s=per_sample if timing else None,
         forward_call_s=per_call,
         tokens=_tokens(sample),
         note=f"measured on one forward of a batch of {batch}",
