@@ -228,11 +228,11 @@ def plan_for_initialize(
     profile, machine = _measure(model, cfg, world, local, sample, None, wrap_policy, None, True, bool(autos))
     runtime = machine.rss - profile.resident_bytes
     choices, candidates = _candidates(profile, machine, cfg, autos, runtime, wrap_policy, model, timed=bool(autos))
-    machine, candidates = _agree(machine, candidates)
+    machine, candidates, measured = _agree(machine, candidates, profile.activations.source == "measured")
     try:
         decision = _decision(choices, candidates, machine, cfg.planner.margin)
         if not autos and cfg.planner.refuse_explicit:
-            check_explicit(decision.chosen, machine, whole_peak=_measured_everywhere(profile))
+            check_explicit(decision.chosen, machine, whole_peak=measured)
     except ValueError as err:
         raise ValueError(f"the memory planner refuses this config: {err}") from None
     global _LAST
@@ -243,17 +243,6 @@ def plan_for_initialize(
         logger.info("planner: %s", decision.reason)
         logger.debug("planner:\n%s", _LAST.table())
     return _LAST.given()
-
-
-def _measured_everywhere(profile: ModelProfile) -> bool:
-    """Whether every rank measured its activations (each decides alike, see [Note: the
-    planner at initialize]); one rank's failed measurement leaves only the states checked."""
-    measured = profile.activations.source == "measured"
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return measured
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, measured)
-    return all(every)
 
 
 def last_plan() -> PlanResult | None:
@@ -275,20 +264,21 @@ def _to(sample: Any, device: torch.device) -> Any:
     return sample
 
 
-def _agree(machine: Machine, candidates: list[Candidate]) -> tuple[Machine, list[Candidate]]:
+def _agree(machine: Machine, candidates: list[Candidate], measured: bool) -> tuple[Machine, list[Candidate], bool]:
     """What every rank decides from (see [Note: the planner at initialize]): the smallest
-    limits of any rank, and for each plan the version of the rank it fits worst (pipeline
-    stages hold different layers); a no-op on one process."""
+    limits of any rank, for each plan the version of the rank it fits worst (pipeline
+    stages hold different layers), and whether every rank measured its activations (one
+    rank's failed measurement leaves only the states checked); a no-op on one process."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return machine, candidates
+        return machine, candidates, measured
     every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (machine, candidates))
+    dist.all_gather_object(every, (machine, candidates, measured))
 
     def smallest(limits: list[Limit | None]) -> Limit | None:
         present = [lim for lim in limits if lim is not None]
         return min(present, key=lambda lim: lim.bytes) if present else None
 
-    machines = [m for m, _ in every]
+    machines = [m for m, _, _ in every]
     speeds = [m.disk_speed for m in machines if m.disk_speed is not None]
     agreed = dataclasses.replace(
         machine,
@@ -297,5 +287,5 @@ def _agree(machine: Machine, candidates: list[Candidate]) -> tuple[Machine, list
         disk=smallest([m.disk for m in machines]),
         disk_speed=min(speeds) if speeds else None,
     )
-    merged = [max((c[i] for _, c in every), key=lambda c: (ratio(c, agreed), c.time.total)) for i in range(len(candidates))]
-    return agreed, merged
+    merged = [max((c[i] for _, c, _ in every), key=lambda c: (ratio(c, agreed), c.time.total)) for i in range(len(candidates))]
+    return agreed, merged, all(m for _, _, m in every)
