@@ -11,8 +11,12 @@ process, interleaved and repeated; medians of ``--steps`` timed steps:
 
 Effective GB/s counts the traffic a step cannot avoid: fp32 job 28 bytes per element
 (read master, moments, gradient; write master, moments), bf16 job 28 (2 + 24 + 2).
+``terascale-8bit`` (not in the default list) is ``AdamW8bit``'s step on the same job
+([Note: compact optimizer states]); its GB/s column counts the same 28 bytes, so it reads
+as the fp32 step's equivalent, not as its own traffic (16 bytes an element).
 
     python bench/cpu_adam.py --threads 2 --repeats 3 --peers-python /tmp/peers/bin/python
+    python bench/cpu_adam.py --threads 1 --numel 3e7 --jobs bf16 --systems terascale,terascale-8bit,torch-fused
 """
 
 from __future__ import annotations
@@ -51,6 +55,15 @@ def run_one(system: str, job: str, numel: int, steps: int, threads: int) -> list
 
         def step() -> None:
             host_adam.step(opt, [master], [grad], one, [param_out])
+
+    elif system == "terascale-8bit":
+        sys.path.insert(0, str(ROOT))
+        from terascale.optim.compact import CompactAdam
+
+        compact = CompactAdam([master], **kw)
+
+        def step() -> None:
+            compact.step_with([master], [grad], one, [param_out])
 
     else:
         if system == "deepspeed-cpuadam":

@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sample-tokens", type=int, default=300, help="bytes to generate at the end")
     p.add_argument("--prompt", default="def ", help="prompt for the generated sample")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--flush-denormal", action="store_true",
+                   help="on a CPU, compute subnormal floats as zero (see the README's note on CPU step time)")
     p.add_argument("--local_rank", type=int, default=-1, help="passed by terascale run (LOCAL_RANK says the same)")
     p.add_argument("--save-every", type=int, default=0,
                    help="save a checkpoint into OUT/checkpoints every N steps (0: never)")
@@ -137,6 +139,9 @@ def observed(config_path: str, out: Path) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     wall_start = time.perf_counter()
     args = parse_args(argv)
+    if args.flush_denormal:
+        # Trained weights make some GEMM products subnormal; x86 computes those in microcode.
+        torch.set_flush_denormal(True)
     torch.manual_seed(args.seed)
     model_config = GPTConfig(
         vocab_size=256, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd

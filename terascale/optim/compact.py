@@ -139,7 +139,7 @@ class CompactAdam(Optimizer):
             m, v = m32[: hi - lo], v32[: hi - lo]
             for out, name in ((m, "exp_avg"), (v, "exp_avg_sq")):
                 c, s, code = codes[name]
-                decode(c[lo:hi], s[b0:b1], code, block, out)
+                decode(c[lo:hi], s[b0:b1], code, block, out, scratch=scratch)
             g = g_flat[lo:hi]
             if g.dtype != torch.float32 or scale != 1.0:
                 g = g32[: hi - lo].copy_(g)

@@ -38,9 +38,12 @@ The constants were fitted on 46 measured runs of the GPTs of ``bench/planner.py`
 (16.8M and 109M parameters; stages 0-3; in memory and on NVMe; 1 and 2 ranks;
 micro-batches 1-16; with and without checkpointing). In ``bench/planner.py``'s seven
 cases (``bench/RESULTS.md``, issue 32) the chosen plans came within 0.94-1.07 of the
-measured peak and the hand-written configs within 0.94-1.05, except stage 3 with
-parameters and optimizer on NVMe at a ``sub_group_size`` of 1e6 (0.72-0.85: its many
-small runs and parameter buffers are not modelled).
+measured peak and the hand-written configs within 0.94-1.05. Stage 3 with parameters and
+optimizer on NVMe came out at 0.72-0.86 until the engine trimmed the heap after its first
+steps (``ShardedModel.step``): the model's full tensors, built before ``initialize`` in
+glibc's heap, leave holes there that the steps' small transients spread over. With the
+trims, 0.98-1.01 at a ``sub_group_size`` of 1e6 (109M and 180M, one rank); at 4e6 the
+holes refill between trims (0.94 by step 12, towards 0.90): not modelled.
 
 The peak is the runtime plus the model states plus the larger of the two phases' working
 sets: forward and backward (activations, gathered groups, gradient buffers) or the
