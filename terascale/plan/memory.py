@@ -40,7 +40,7 @@ micro-batches 1-16; with and without checkpointing). In ``bench/planner.py``'s s
 cases (``bench/RESULTS.md``, issue 32) the chosen plans came within 0.94-1.07 of the
 measured peak and the hand-written configs within 0.94-1.05. Stage 3 with parameters and
 optimizer on NVMe came out at 0.72-0.86 until the engine trimmed the heap after its first
-steps (``ShardedModel.step``): the model's full tensors, built before ``initialize`` in
+steps (``ShardedState.step``): the model's full tensors, built before ``initialize`` in
 glibc's heap, leave holes there that the steps' small transients spread over. With the
 trims, 0.98-1.01 at a ``sub_group_size`` of 1e6 (109M and 180M, one rank); at 4e6 the
 holes refill between trims (0.94 by step 12, towards 0.90): not modelled.

@@ -64,7 +64,11 @@ def map_large_allocations() -> None:
     then gives the heap its large blocks back (:func:`reuse_large_allocations`). On an
     accelerator the compute's tensors are its caching allocator's, and the threshold only
     touches host-side ones: it stays. Without an NVMe tier the allocator is left as it is.
-    The setting is process-wide: the engine built last decides.
+    The setting is process-wide: the engine built last decides. A model built before the
+    engine came from the heap while the threshold was still dynamic, and its full tensors,
+    freed at sharding, leave holes there that the steps' small transients spread over; so
+    with an NVMe tier the engine also trims the heap after steps 1, 2, 4, 8, ...
+    (``ShardedState.step``).
     """
     if _LIBC is not None:
         _LIBC.mallopt(_M_MMAP_THRESHOLD, _NVME_MMAP_THRESHOLD)

@@ -325,7 +325,7 @@ class ShardedState:
         # them from its heap before the engine fixed the mmap threshold) fill with the first
         # steps' small transients, each page touched once then kept: 190 MiB, 16% of the peak,
         # on the 109M GPT at stage 3 with both tiers on NVMe and a sub_group_size of 1e6.
-        # Trimming after steps 1, 2, 4, 8, ... gives most of it back at ~15 ms a trim.
+        # Trimming after steps 1, 2, 4, 8, ... gives most of it back at 1-16 ms a trim.
         self._steps += 1
         if self._steps == self._next_trim:
             return_freed_host_memory()
