@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from terascale.moe.gating import capacity, route
+from terascale.moe.gating import JITTER_EPS, capacity, jitter, route
 
 
 def _logits(s: int = 37, e: int = 6, seed: int = 0) -> torch.Tensor:
@@ -131,3 +131,11 @@ def test_bad_arguments_name_the_numbers():
         route(torch.zeros(3, 4), 1, noisy_gate_policy="Gauss")
     with pytest.raises(ValueError, match="tokens, experts"):
         route(torch.zeros(3), 1)
+
+
+def test_jitter_scales_each_input_within_its_band():
+    x = torch.randn(200, 16)
+    y = jitter(x, torch.Generator().manual_seed(0))
+    ratio = y / x
+    assert bool((ratio >= 1 - JITTER_EPS).all() and (ratio <= 1 + JITTER_EPS).all())
+    assert float(ratio.std()) > JITTER_EPS / 4  # noise, not a constant factor

@@ -77,14 +77,14 @@ def dispatch(
     s, k = routes.expert.shape
     if x.shape[0] != s:
         raise ValueError(f"{x.shape[0]} tokens but routes for {s}")
+    size = 1 if group is None else dist.get_world_size(group)
+    if num_experts % size:
+        raise ValueError(f"{num_experts} experts do not split over an expert-parallel group of {size} ranks")
     flat = routes.expert.reshape(-1)
     kept = torch.nonzero(routes.kept.reshape(-1)).squeeze(1)
     order = kept[torch.argsort(flat[kept], stable=True)]
     rows = x.index_select(0, order // k)
     counts = torch.bincount(flat[order], minlength=num_experts)
-    size = 1 if group is None else dist.get_world_size(group)
-    if num_experts % size:
-        raise ValueError(f"{num_experts} experts do not split over an expert-parallel group of {size} ranks")
     if size == 1:
         return rows, counts.tolist(), Dispatched(order, k, s, None, [], [], None)
     local = num_experts // size

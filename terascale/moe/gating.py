@@ -94,7 +94,9 @@ def route(
     ``k`` experts each. ``capacity_factor=None`` is dropless; otherwise DeepSpeed's capacity
     rules apply (see [Note: routing]). ``noisy_gate_policy='RSample'`` picks top-1 experts
     by Gumbel-perturbed logits; ``second_expert_sampling`` does the same for top-2's second
-    choice (both training-time options: pass ``None``/``False`` in eval). ``normalize_topk``
+    choice (both training-time options: pass ``None``/``False`` in eval). ``'Jitter'`` acts
+    on the router's input, not its logits: the caller applies :func:`jitter` before the
+    gate, and routing is otherwise unchanged. ``normalize_topk``
     overrides whether the kept weights of a token are renormalised to sum to one (default:
     for ``k >= 2``). ``used_token`` ([S], 0/1) masks tokens out of the routing (top-1, as
     DeepSpeed does). Noise draws from ``generator`` (default: the device's global RNG)."""
