@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,6 +53,24 @@ def test_cifar_classifier_at_every_stage_and_precision(tmp_path):
         assert runs[stage, dtype]["steps"] == 12 and runs[stage, dtype]["device"] == "cpu"
     torch.testing.assert_close(torch.tensor(runs[3, "fp32"]["losses"]), torch.tensor(runs[0, "fp32"]["losses"]),
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "stage, extra",
+    [
+        (0, ["--num-experts", "2", "--top-k", "1", "--noisy-gate-policy", "RSample", "--moe-param-group"]),  # run_ds_moe.sh
+        (2, ["--num-experts", "2", "4", "--mlp-type", "residual", "--top-k", "2", "--min-capacity", "2",
+             "--moe-param-group"]),  # run_ds_prmoe.sh's layers, under ZeRO-2
+    ],
+)
+def test_cifar_moe_mode_with_expert_parallelism(tmp_path, stage, extra):
+    # The tutorial's --moe mode, ep 2 over both ranks: its MoE layers and param groups as written.
+    run("cifar_style.py", "--stage", str(stage), "--dtype", "bf16", "--moe", "--ep-world-size", "2", *extra,
+        "--out", str(tmp_path))
+    record = result(tmp_path)
+    assert record["steps"] == 12 and all(0 < loss < 10 for loss in record["losses"]), record
+    # The split function's groups: the dense ones, then the experts' group named by ep size.
+    assert [(name, moe) for name, moe, _ in record["groups"]] == [("parameters", False), ("ep_size_2", True)]
 
 
 def test_pipeline_with_an_in_place_first_layer_on_a_stage(tmp_path):

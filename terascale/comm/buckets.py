@@ -83,12 +83,17 @@ class GradientBuckets:
         group: ProcessGroup,
         policy: ReducePolicy,
         device: torch.device,
+        average_over: int | None = None,
     ) -> None:
         assert len(params) == len(names)
         self._params = list(params)
         self._names = list(names)
         self._group = group
         self._world = dist.get_world_size(group)
+        # Summed over ``group``, averaged over ``average_over`` ranks (default: the group's);
+        # experts' gradients are summed over a subgroup and averaged over the whole
+        # data-parallel world ([Note: expert parameters]).
+        self._divisor = average_over or self._world
         self._policy = policy
         self._sync = True
         self.blocked_s = 0.0  # waiting for all-reduces ([Note: straggler compute time])
@@ -239,9 +244,9 @@ class GradientBuckets:
     def _launch(self, bucket: _Bucket) -> None:
         policy = self._policy
         grads = bucket.flat[: bucket.grad_numel]
-        if self._world > 1:
+        if self._divisor > 1:
             if policy.prescale:
-                grads.mul_(1.0 / self._world)
+                grads.mul_(1.0 / self._divisor)
             elif policy.predivide_factor != 1.0:
                 grads.mul_(1.0 / policy.predivide_factor)
         tensor = bucket.flat
@@ -258,8 +263,8 @@ class GradientBuckets:
         like a bucket, in the communication dtype."""
         policy = self._policy
         rows, self._sparse_acc[index] = self._sparse_acc[index], None
-        if rows is not None and self._world > 1:
-            pre = 1.0 / self._world if policy.prescale else 1.0 / policy.predivide_factor
+        if rows is not None and self._divisor > 1:
+            pre = 1.0 / self._divisor if policy.prescale else 1.0 / policy.predivide_factor
             if pre != 1.0:
                 rows = rows * pre
         shape = self._params[index].shape
@@ -276,8 +281,8 @@ class GradientBuckets:
         policy = self._policy
         grad = self._grads[index]
         indices, values = coalesce_rows(indices, values.to(policy.accum_dtype), grad.shape[0])
-        if self._world > 1 and not policy.prescale:
-            post = policy.predivide_factor / self._world
+        if self._divisor > 1 and not policy.prescale:
+            post = policy.predivide_factor / self._divisor
             if post != 1.0:
                 values = values * post
         grad.index_add_(0, indices, values)
@@ -294,7 +299,7 @@ class GradientBuckets:
             bucket.flat.copy_(bucket.comm_buffer)
             bucket.comm_buffer = None
         policy = self._policy
-        if self._world > 1 and not policy.prescale:
-            post = policy.predivide_factor / self._world
+        if self._divisor > 1 and not policy.prescale:
+            post = policy.predivide_factor / self._divisor
             if post != 1.0:
                 bucket.flat[: bucket.grad_numel].mul_(post)

@@ -58,6 +58,7 @@ from terascale.comm.sparse import CommStats
 from terascale.comm import ops as comm_ops
 from terascale.comm.collectives import global_grad_sq_norm
 from terascale.engine.precision import MasterWeights, PrecisionPolicy
+from terascale.moe.groups import ExpertGroups, ExpertLayout
 from terascale.offload.aio import IoActivity, io_traffic
 from terascale.optim.lamb import Lamb
 from terascale.zero.flat_group import FlatLayout
@@ -151,6 +152,7 @@ class ReplicatedState:
         group,
         reduce_policy: ReducePolicy,
         device: torch.device,
+        experts: ExpertLayout | None = None,
     ) -> None:
         self.module = module
         materialize(module, precision.compute_dtype, device)  # a model built in zero.Init
@@ -158,9 +160,18 @@ class ReplicatedState:
         self._masters = MasterWeights(trainable, precision)
         self._groups = self._masters.master_param_groups(param_groups)
         names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-        self._buckets = GradientBuckets(
-            trainable, [names.get(id(p), "<unnamed>") for p in trainable], group, reduce_policy, device
-        )
+        # Dense gradients are all-reduced over ``group``; each expert-parallel size's over its
+        # expert-data-parallel group, averaged over all of ``group`` ([Note: expert parameters]).
+        world = dist.get_world_size(group)
+        self._parts: list[tuple[list[int], GradientBuckets, ExpertGroups | None]] = []
+        for groups, index in (experts or ExpertLayout()).split(trainable):
+            params = [trainable[i] for i in index]
+            buckets = GradientBuckets(
+                params, [names.get(id(p), "<unnamed>") for p in params],
+                group if groups is None else groups.edp_group, reduce_policy, device, average_over=world,
+            )  # fmt: skip
+            self._parts.append((index, buckets, groups))
+        self._buckets = self._parts[0][1]  # the dense parameters'
         self._finished = False
         self._group = group
         self._device = device
@@ -175,24 +186,36 @@ class ReplicatedState:
     @property
     def comm_stats(self) -> CommStats:
         """Bytes this rank has sent reducing gradients (dense and sparse)."""
-        return self._buckets.comm
+        if len(self._parts) == 1:
+            return self._buckets.comm
+        total = CommStats()
+        for _, buckets, _ in self._parts:
+            for key, value in vars(buckets.comm).items():
+                setattr(total, key, getattr(total, key) + value)
+        return total
 
     def prepare_backward(self, sync: bool) -> None:
-        self._buckets.prepare_backward(sync)
+        for _, buckets, _ in self._parts:
+            buckets.prepare_backward(sync)
 
     def post_backward(self) -> None:
         pass  # the buckets finish at the step: an accumulation window may span backwards
 
     def wait_breakdown(self) -> dict[str, float]:
         """Seconds blocked by cause (see ``ShardedState.wait_breakdown``): only gradient all-reduces here."""
-        return {"param_gather": 0.0, "grad_reduce": self._buckets.blocked_s, "offload_io": 0.0}
+        blocked = sum(buckets.blocked_s for _, buckets, _ in self._parts)
+        return {"param_gather": 0.0, "grad_reduce": blocked, "offload_io": 0.0}
 
     def grad_sq_norm(self, skip: Collection[int] = frozenset(), extra: torch.Tensor | None = None) -> torch.Tensor:
         self._finish()
-        # Gradients are replicated after the all-reduce, so no group is needed here.
-        skipped = {id(self._masters.master_of(p)) for p in self._masters.model_params if id(p) in skip}
-        grads = [m.grad for m in self._masters.masters if m.grad is not None and id(m) not in skipped]
-        sq = global_grad_sq_norm(grads, device=self._device)
+        # Dense gradients are replicated after the all-reduce, so no group is needed for
+        # them; each rank of an expert-parallel group holds other experts, whose squares
+        # are summed over that group.
+        masters, params = self._masters.masters, self._masters.model_params
+        sq = torch.zeros((), dtype=torch.float32, device=self._device)
+        for index, _, groups in self._parts:
+            grads = [masters[i].grad for i in index if masters[i].grad is not None and id(params[i]) not in skip]
+            sq = sq + global_grad_sq_norm(grads, None if groups is None else groups.ep_group, device=self._device)
         if extra is not None:  # every rank's extra, summed: one scalar all-reduce
             extra = extra.detach().clone()
             if self._group is not None and dist.get_world_size(self._group) > 1:
@@ -228,15 +251,20 @@ class ReplicatedState:
 
     def _finish(self) -> None:
         if not self._finished:
-            self._buckets.finish()
-            self._masters.set_grads(self._buckets.grads())
+            grads: list[torch.Tensor | None] = [None] * len(self._masters.masters)
+            for index, buckets, _ in self._parts:
+                buckets.finish()
+                for i, g in zip(index, buckets.grads()):
+                    grads[i] = g
+            self._masters.set_grads(grads)
             self._finished = True
 
     def _grads(self) -> list[torch.Tensor]:
         return [m.grad for m in self._masters.masters if m.grad is not None]
 
     def zero_grad(self) -> None:
-        self._buckets.zero_()
+        for _, buckets, _ in self._parts:
+            buckets.zero_()
         self._masters.clear_grads()
         self._finished = False
 
@@ -257,7 +285,7 @@ class ReplicatedState:
         masters = [m for m in self._masters.masters if all(m is not p for p in params)]
         return {
             "params": _nbytes(params),
-            "grads": _nbytes([self._buckets.buffer]),
+            "grads": _nbytes([buckets.buffer for _, buckets, _ in self._parts]),
             "master_params": _nbytes(masters) if masters else 0,
         }
 
@@ -326,7 +354,8 @@ class ReplicatedState:
         pass  # nothing is gathered at stage 0
 
     def remove_hooks(self) -> None:
-        self._buckets.remove_hooks()
+        for _, buckets, _ in self._parts:
+            buckets.remove_hooks()
 
 
 def _ordered_params(module: nn.Module, param_groups: Sequence[dict]) -> list[nn.Parameter]:

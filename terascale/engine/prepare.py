@@ -6,8 +6,9 @@ before it (torchtitan's ``parallelize_llama`` reads the same way):
 
 1. tensor parallelism (``tensor_parallel.autotp_size``) slices layers first: every later
    step sees the parameters this rank holds, not the unsliced ones;
-2. the module is cast to the compute dtype on this rank's device and rank 0's values are
-   broadcast over the data-parallel group (whatever each process's seed did);
+2. the module is cast to the compute dtype on this rank's device, its MoE layers get their
+   expert-parallel groups, and rank 0's values are broadcast over the data-parallel group
+   (an expert's over the ranks that replicate it), whatever each process's seed did;
 3. tiling (``zero_optimization.tile_linear_above``) replaces big ``nn.Linear`` layers and
    their parameters, so it runs before anything collects parameters: the user's optimizer
    groups are read right after it;
@@ -27,21 +28,28 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from terascale.comm import DistributedContext, ReducePolicy, broadcast_tensors
+from terascale.comm import DistributedContext, ReducePolicy
 from terascale.comm.sparse import sparse_gradient_params
 from terascale.config import Config
 from terascale.config.section import TORCH_DTYPES
 from terascale.engine.activations import EngineActivations
+from terascale.engine.experts import (
+    broadcast_initial_values,
+    check_expert_param_groups,
+    group_experts_apart,
+    setup_experts,
+)
 from terascale.engine.model_state import ModelState, ReplicatedState
 from terascale.engine.optimizer import OptimizerArg
 from terascale.engine.parallel import ParallelLayout
 from terascale.engine.precision import PrecisionPolicy
+from terascale.moe.groups import ExpertLayout
 from terascale.offload import optimizer_offload, param_offload
 from terascale.parallel.tensor import auto_tp
 from terascale.zero import ShardedState, WrapPolicy, ZeroOptions
@@ -62,6 +70,7 @@ class PreparedModel:
     activations: EngineActivations
     layout: ParallelLayout
     state: ModelState
+    experts: ExpertLayout = field(default_factory=ExpertLayout)
 
 
 def prepare_model(
@@ -92,7 +101,8 @@ def prepare_model(
 
     precision = PrecisionPolicy(compute_dtype=config.compute_dtype)
     module.to(device=dist_ctx.device, dtype=precision.compute_dtype)
-    broadcast_tensors([t.data for t in module.parameters()] + list(module.buffers()), dist_ctx.dp_group)
+    experts = setup_experts(module, dist_ctx)
+    broadcast_initial_values(module, dist_ctx, experts)
 
     if config.zero_optimization.tile_linear_above is not None:
         if isinstance(optimizer, torch.optim.Optimizer) or model_parameters is not None:
@@ -103,11 +113,16 @@ def prepare_model(
             )
         tile_linears(module, int(config.zero_optimization.tile_linear_above))
     param_groups = user_param_groups(module, optimizer, model_parameters, sliced)
+    if isinstance(optimizer, torch.optim.Optimizer):  # the user's groups stand: DeepSpeed's rule for them
+        check_expert_param_groups(param_groups, experts, config.zero_optimization.stage)
+    else:
+        param_groups = group_experts_apart(param_groups, experts)
 
     activations = EngineActivations(module, config, dist_ctx, wrap)
     layout = ParallelLayout.build(module, dist_ctx)
-    state = build_model_state(module, param_groups, config, dist_ctx, precision, wrap, layout.classes)
-    return PreparedModel(module, precision, activations, layout, state)
+    classes = {**layout.classes, **experts.classes()}
+    state = build_model_state(module, param_groups, config, dist_ctx, precision, wrap, classes, experts)
+    return PreparedModel(module, precision, activations, layout, state, experts)
 
 
 def user_param_groups(
@@ -166,6 +181,7 @@ def build_model_state(
     precision: PrecisionPolicy,
     wrap_policy: WrapPolicy | None = None,
     param_classes: Mapping[int, Hashable] | None = None,
+    experts: ExpertLayout | None = None,
 ) -> ModelState:
     """The model state for ``config.zero_optimization.stage`` (see ``[Note: model state]``).
 
@@ -176,7 +192,7 @@ def build_model_state(
     sparse = sparse_gradient_params(module) if config.sparse_gradients else frozenset()
     if zero.stage == 0:
         policy = ReducePolicy(**_reduction(config), accum_dtype=config.grad_accum_dtype, sparse_params=sparse)
-        return ReplicatedState(module, param_groups, precision, dist_ctx.dp_group, policy, dist_ctx.device)
+        return ReplicatedState(module, param_groups, precision, dist_ctx.dp_group, policy, dist_ctx.device, experts)
     if zero.stage == 3 and zero.leaf_module:
         mark_leaf_modules(module, zero.leaf_module)
     options = zero_options(config, wrap_policy)
@@ -190,6 +206,7 @@ def build_model_state(
         dtype=precision.compute_dtype,
         device=dist_ctx.device,
         param_classes=param_classes,
+        class_groups=experts.class_groups() if experts else None,
     )
 
 

@@ -182,14 +182,20 @@ class ShardedGrads:
         policy: GradPolicy,
         on_group_done: Callable[[int], None] | None = None,
         swapper: GradSwapper | None = None,
+        reduce_groups: Sequence[ProcessGroup] | None = None,
     ) -> None:
         assert swapper is None or policy.reduce_every_micro_step, "gradient swapping needs stage 2 or 3"
         self.groups = list(groups)
         self.swapper = swapper  # stages 2-3 with the optimizer on NVMe: shards go to disk
         self.policy = policy
         self.pg = group
+        # Gradients are averaged over ``group``; a group whose shards split over a subgroup
+        # of it (an expert's: [Note: expert parameters]) is reduced over that subgroup.
         self.world = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self._pgs = list(reduce_groups) if reduce_groups is not None else [group] * len(self.groups)
+        assert len(self._pgs) == len(self.groups)
+        self._ranks = [dist.get_rank(pg) for pg in self._pgs]
+        self._sizes = [dist.get_world_size(pg) for pg in self._pgs]
         self.blocked_s = 0.0  # waiting for reduce-scatters ([Note: straggler compute time])
         self._on_group_done = on_group_done
         # Set for a window whose optimizer steps under its last backward ([Note: the
@@ -342,23 +348,24 @@ class ShardedGrads:
         sparse = self._sparse[g]
         if sparse is None:
             comm = flat if pol.comm_dtype in (None, flat.dtype) else flat.to(pol.comm_dtype)
-            lo, hi = self.groups[g].layout.shard_range(self.rank)
+            lo, hi = self.groups[g].layout.shard_range(self._ranks[g])
         else:
             comm = self._pack(g, flat)
-            lo, hi = self.rank * sparse.chunk, (self.rank + 1) * sparse.chunk
+            lo, hi = self._ranks[g] * sparse.chunk, (self._ranks[g] + 1) * sparse.chunk
         pre = 1.0 / self.world if pol.prescale else 1.0 / pol.predivide_factor
         if pre != 1.0:
             comm.mul_(pre)
-        if self.world == 1 or comm.numel() == 0:
+        size, pg = self._sizes[g], self._pgs[g]
+        if size == 1 or comm.numel() == 0:
             work = None
         elif pol.reduce_scatter:
             with ops.named_range("terascale::reduce_scatter group", g):
-                work = reduce_scatter_flat(comm[lo:hi], comm, self.pg, async_op=True)
-            self.comm.reduce_scatter(comm, self.world)
+                work = reduce_scatter_flat(comm[lo:hi], comm, pg, async_op=True)
+            self.comm.reduce_scatter(comm, size)
         else:
             with ops.named_range("terascale::all_reduce group", g):
-                work = ops.all_reduce(comm, group=self.pg, async_op=True)
-            self.comm.all_reduce(comm, self.world)
+                work = ops.all_reduce(comm, group=pg, async_op=True)
+            self.comm.all_reduce(comm, size)
         rows = [] if sparse is None else [(i, self._gather_rows(g, i, pre)) for i in sparse.sparse]
         self._pending.append(_Pending(g, work, comm, rows))
         in_flight = sum(item.comm.numel() for item in self._pending)
@@ -377,7 +384,7 @@ class ShardedGrads:
         sparse = self._sparse[g]
         assert sparse is not None
         chunk = sparse.chunk
-        comm = torch.empty(self.world * chunk, dtype=self.policy.comm_dtype or flat.dtype, device=flat.device)
+        comm = torch.empty(self._sizes[g] * chunk, dtype=self.policy.comm_dtype or flat.dtype, device=flat.device)
         for r, runs in enumerate(sparse.runs):
             pos = r * chunk
             for lo, hi, _ in runs:
@@ -393,7 +400,7 @@ class ShardedGrads:
             rows = rows * pre
         fg = self.groups[g]
         return all_gather_sparse(
-            rows, fg.layout.slots[i].shape[1:], self.pg, dtype=self.policy.comm_dtype or self.policy.dtype,
+            rows, fg.layout.slots[i].shape[1:], self._pgs[g], dtype=self.policy.comm_dtype or self.policy.dtype,
             device=fg.device, stats=self.comm,
         )  # fmt: skip
 
@@ -406,7 +413,7 @@ class ShardedGrads:
         sparse = self._sparse[g]
         assert sparse is not None
         layout = self.groups[g].layout
-        lo, hi = layout.shard_range(self.rank)
+        lo, hi = layout.shard_range(self._ranks[g])
         post = 1.0 if pol.prescale else pol.predivide_factor / self.world
         accumulate = pol.reduce_every_micro_step and self.swapper is None and self.shards[g] is not None
         if accumulate:
@@ -416,11 +423,11 @@ class ShardedGrads:
                 out = torch.zeros(hi - lo, dtype=pol.dtype, device=self.groups[g].device)
             else:
                 out = self._shard_storage(g).zero_()
-        own = item.comm[self.rank * sparse.chunk : (self.rank + 1) * sparse.chunk]
+        own = item.comm[self._ranks[g] * sparse.chunk : (self._ranks[g] + 1) * sparse.chunk]
         if post != 1.0:
             own.mul_(post)
         pos = 0
-        for c_lo, c_hi, s_off in sparse.runs[self.rank]:
+        for c_lo, c_hi, s_off in sparse.runs[self._ranks[g]]:
             out[s_off : s_off + c_hi - c_lo].add_(own[pos : pos + c_hi - c_lo])
             pos += c_hi - c_lo
         for i, gather in item.rows:
@@ -451,7 +458,7 @@ class ShardedGrads:
             self._complete_sparse(item)
             return
         g = item.group
-        lo, hi = self.groups[g].layout.shard_range(self.rank)
+        lo, hi = self.groups[g].layout.shard_range(self._ranks[g])
         reduced = item.comm[lo:hi]
         pol = self.policy
         post = 1.0 if pol.prescale else pol.predivide_factor / self.world
@@ -501,7 +508,7 @@ class ShardedGrads:
     def _shard_storage(self, g: int) -> torch.Tensor:
         """Group ``g``'s gradient-shard storage, kept across windows (it is model state: 2Ψ/N bytes)."""
         if self._shard_store[g] is None:
-            lo, hi = self.groups[g].layout.shard_range(self.rank)
+            lo, hi = self.groups[g].layout.shard_range(self._ranks[g])
             self._shard_store[g] = torch.empty(hi - lo, dtype=self.policy.dtype, device=self.groups[g].device)
         return self._shard_store[g]
 

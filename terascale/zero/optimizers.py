@@ -93,6 +93,9 @@ class Segments:
     of: Sequence[Sequence[tuple[int, int, int]]]
     num_params: int
     group: object
+    # (group, parameter numbers): parameters whose parts lie on that group's ranks instead
+    # (experts': [Note: expert parameters]); each rank holds the same numbers.
+    apart: tuple[tuple[object, tuple[int, ...]], ...] = ()
 
     def reduce(self, rows: torch.Tensor) -> None:
         """Sum ``rows`` (``[num_params, k]``) over the ranks, in place."""
@@ -100,5 +103,14 @@ class Segments:
 
         from terascale.comm import ops
 
+        kept = []
+        for group, numbers in self.apart:
+            at = torch.tensor(numbers, device=rows.device)
+            part = rows.index_select(0, at)
+            if dist.get_world_size(group) > 1:
+                ops.all_reduce(part, group=group)
+            kept.append((at, part))
         if dist.get_world_size(self.group) > 1:
             ops.all_reduce(rows, group=self.group)
+        for at, part in kept:
+            rows.index_copy_(0, at, part)

@@ -93,6 +93,7 @@ class ShardedState:
         dtype: torch.dtype,
         device: torch.device,
         param_classes: Mapping[int, Hashable] | None = None,
+        class_groups: Mapping[Hashable, ProcessGroup] | None = None,
     ) -> None:
         self.module = module
         self.options = options
@@ -130,10 +131,14 @@ class ShardedState:
         # nothing is kept while building, the bound is set once the groups' sizes are known.
         self.full_buffers = FullBuffers(0) if options.stage == 3 and keeps_full_buffers(device) else None
         self.groups: list[FlatParamGroup] = []
-        for plan in self.plans:
+        # A class with a process group of its own shards over it (experts over their
+        # expert-data-parallel group: [Note: expert parameters]); the rest over ``group``.
+        self._class_groups = dict(class_groups or {})
+        plan_pgs = [self._class_groups.get((param_classes or {}).get(id(plan.params[0])), group) for plan in self.plans]
+        for plan, pg in zip(self.plans, plan_pgs):
             fg = FlatParamGroup(
                 list(zip(plan.names, plan.params)),
-                group,
+                pg,
                 dtype=dtype,
                 device=device,
                 persistent=plan.persistent,
@@ -171,13 +176,16 @@ class ShardedState:
             if options.stage == 3
             else None
         )
+        # Reductions run on their own channels, apart from the parameter gathers.
+        channels = {id(pg): duplicate_group(pg) for pg in [group, *self._class_groups.values()]}
         self.grads = ShardedGrads(
             self.groups,
             [[k >= 0 for k in plan.opt_group] for plan in self.plans],
-            duplicate_group(group),
+            channels[id(group)],
             options.grads,
             on_group_done=None if self.schedule is None else self.schedule.on_grads_done,
             swapper=self._grad_swapper(options),
+            reduce_groups=[channels[id(pg)] for pg in plan_pgs],
         )
         if nvme and device.type == "cpu" and self._nvme_states_nbytes() < BOUNDED_HOST_MIN_NVME_BYTES:
             reuse_large_allocations()  # [Note: host memory with an NVMe tier]
@@ -457,7 +465,15 @@ class ShardedState:
     @functools.cached_property
     def _segments(self) -> Segments:
         """Where each parameter lies in this rank's master pieces (fixed by the layout)."""
-        return Segments(self.masters.segments(self._param_number), len(self._param_number), self.group)
+        apart: dict[int, tuple[ProcessGroup, list[int]]] = {}
+        for fg in self.groups:
+            if fg.group is not self.group:
+                numbers = [self._param_number[id(p)] for p in fg.params if id(p) in self._param_number]
+                apart.setdefault(id(fg.group), (fg.group, []))[1].extend(numbers)
+        return Segments(
+            self.masters.segments(self._param_number), len(self._param_number), self.group,
+            tuple((pg, tuple(sorted(n))) for pg, n in apart.values() if n),
+        )  # fmt: skip
 
     @contextlib.contextmanager
     def _run_grads(self, runs: Sequence[list[int]] | None = None) -> Iterator[Callable[[list[int]], list[torch.Tensor]]]:
@@ -519,7 +535,7 @@ class ShardedState:
                     full = shard
                 else:
                     full = torch.empty(fg.layout.padded_numel, dtype=torch.float32, device=self.device)
-                    all_gather_flat(full, shard, self.group)
+                    all_gather_flat(full, shard, fg.group)
                 for slot, p in zip(fg.layout.slots, fg.params):
                     out[id(p)] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).to("cpu", copy=True)
         return out
@@ -637,8 +653,8 @@ class ShardedState:
                 fg = self.groups[g]
                 if modified:
                     if fg.layout.world_size > 1:
-                        src = dist.get_global_rank(self.group, modifier_rank)
-                        ops.broadcast(fg.full_buffer, src=src, group=self.group)
+                        src = _modifier_source(self.group, fg.group, modifier_rank)
+                        ops.broadcast(fg.full_buffer, src=src, group=fg.group)
                     with self.shards_resident([g], write_back=True):
                         fg.update_shard_from_full()
                         self.masters.refresh_from_shard(g)
@@ -722,3 +738,12 @@ def _initial_value(param: nn.Parameter) -> torch.Tensor:
     owner = owner_of(param)
     full_value = getattr(owner, "full_value", None)
     return param.detach() if full_value is None else full_value(param)
+
+
+def _modifier_source(group: ProcessGroup, sub: ProcessGroup, modifier_rank: int) -> int:
+    """The global rank whose values a group sharded over ``sub`` takes from a change made
+    by ``group``'s rank ``modifier_rank``: that rank where ``sub`` holds it, else ``sub``'s
+    first rank (a subgroup replicating what the modifier does not hold: other experts)."""
+    src = dist.get_global_rank(group, modifier_rank)
+    members = dist.get_process_group_ranks(sub)
+    return src if src in members else members[0]

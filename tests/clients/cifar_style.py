@@ -5,8 +5,10 @@ precision queries, evaluation. Only the import line names terascale; the data is
 
     terascale run --nproc 2 cifar_style.py --stage 3 --dtype bf16 --out DIR
 
-It imports ``deepspeed.moe.utils``' grouping helper at the top, as the tutorial does (its
-MoE layers themselves are not built in terascale yet).
+``--moe`` is the tutorial's mixture-of-experts mode (``run_ds_moe.sh``, ``run_ds_prmoe.sh``):
+one ``deepspeed.moe.layer.MoE`` per ``--num-experts`` value, all sharing ``fc3`` as their
+expert (and, with ``--mlp-type residual``, as their dense branch), split over
+``--ep-world-size`` ranks.
 """
 
 import argparse
@@ -29,6 +31,13 @@ def add_argument() -> argparse.Namespace:
     parser.add_argument("--local_rank", type=int, default=-1, help="local rank passed from the launcher")
     parser.add_argument("--dtype", default="fp32", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--stage", type=int, default=0, choices=[0, 1, 2, 3])
+    parser.add_argument("--moe", default=False, action="store_true", help="use deepspeed mixture of experts (moe)")
+    parser.add_argument("--ep-world-size", default=1, type=int, help="(moe) expert parallel world size")
+    parser.add_argument("--num-experts", type=int, nargs="+", default=[1], help="number of experts list, MoE related")
+    parser.add_argument("--mlp-type", type=str, default="standard", help="accepts [standard, residual]")
+    parser.add_argument("--top-k", default=1, type=int, help="(moe) gating top 1 and 2 supported")
+    parser.add_argument("--min-capacity", default=0, type=int, help="(moe) minimum capacity of an expert")
+    parser.add_argument("--noisy-gate-policy", default=None, type=str, help="(moe) None, RSample or Jitter")
     parser.add_argument("--moe-param-group", action="store_true", help="parameter groups as the MoE mode makes them")
     parser.add_argument("--out", required=True)
     parser = deepspeed.add_config_arguments(parser)
@@ -36,20 +45,40 @@ def add_argument() -> argparse.Namespace:
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, args: argparse.Namespace) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(3, 6, 5)
         self.pool = nn.MaxPool2d(2, 2)
         self.conv2 = nn.Conv2d(6, 16, 5)
         self.fc1 = nn.Linear(16 * 5 * 5, 120)
         self.fc2 = nn.Linear(120, 84)
-        self.fc3 = nn.Linear(84, 10)
+        self.moe = args.moe
+        if self.moe:
+            fc3 = nn.Linear(84, 84)
+            self.moe_layer_list = []
+            for n_e in args.num_experts:
+                self.moe_layer_list.append(
+                    deepspeed.moe.layer.MoE(
+                        hidden_size=84, expert=fc3, num_experts=n_e, ep_size=args.ep_world_size,
+                        use_residual=args.mlp_type == "residual", k=args.top_k, min_capacity=args.min_capacity,
+                        noisy_gate_policy=args.noisy_gate_policy,
+                    )
+                )
+            self.moe_layer_list = nn.ModuleList(self.moe_layer_list)
+            self.fc4 = nn.Linear(84, 10)
+        else:
+            self.fc3 = nn.Linear(84, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.pool(F.relu(self.conv1(x)))
         x = self.pool(F.relu(self.conv2(x)))
-        x = torch.flatten(x, 1)
-        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+        x = x.view(-1, 16 * 5 * 5)
+        x = F.relu(self.fc2(F.relu(self.fc1(x))))
+        if self.moe:
+            for layer in self.moe_layer_list:
+                x, _, _ = layer(x)
+            return self.fc4(x)
+        return self.fc3(x)
 
 
 def ds_config(args: argparse.Namespace) -> dict:
@@ -81,11 +110,11 @@ def main() -> None:
     testset = torch.utils.data.TensorDataset(torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g))
 
     torch.manual_seed(0)
-    net = Net()
+    net = Net(args)
     parameters = filter(lambda p: p.requires_grad, net.parameters())
-    if args.moe_param_group:  # the tutorial's MoE grouping; without MoE layers, one plain group
+    if args.moe_param_group:  # the tutorial's create_moe_param_groups
         parameters = split_params_into_different_moe_groups_for_optimizer(
-            {"params": [p for p in net.parameters() if p.requires_grad], "name": "parameters"})
+            {"params": [p for p in net.parameters()], "name": "parameters"})
     model_engine, optimizer, trainloader, __ = deepspeed.initialize(
         args=args, model=net, model_parameters=parameters, training_data=trainset, config=ds_config(args))
 
@@ -121,7 +150,8 @@ def main() -> None:
             total += labels.size(0)
             correct += (predicted == labels.to(predicted.device)).sum().item()
     if local_rank == 0:
-        record = {"losses": losses, "accuracy": correct / total, "steps": model_engine.global_steps,
+        groups = [(g.get("name"), bool(g.get("moe")), len(g["params"])) for g in optimizer.param_groups]
+        record = {"losses": losses, "accuracy": correct / total, "steps": model_engine.global_steps, "groups": groups,
                   "lr": model_engine.get_lr(), "device": str(local_device)}
         Path(args.out, "rank0.json").write_text(json.dumps(record))
 

@@ -121,8 +121,7 @@ MODULES: dict[str, dict[str, str] | str] = {
     "ops.adagrad": {"DeepSpeedCPUAdagrad": f"{_DS}.ops:DeepSpeedCPUAdagrad"},
     "checkpoint.utils": {"clone_tensors_for_torch_save": f"{_UTILS}:clone_tensors_for_torch_save"},
     "profiling.flops_profiler": {n: f"terascale.profiling.flops:{n}" for n in ("get_model_profile", "FlopsProfiler")},
-    "moe": {},
-    "moe.utils": {n: f"{_UTILS}:{n}" for n in ("is_moe_param", "split_params_into_different_moe_groups_for_optimizer")},
+    "moe.sharded_moe": {n: f"terascale.moe.layer:{n}" for n in ("TopKGate", "MOELayer")},
     "constants": {n: f"{_UTILS}:{n}" for n in ("TORCH_DISTRIBUTED_DEFAULT_PORT", "CROSS_RANK", "CROSS_SIZE")},
     "env_report": {"main": f"{_UTILS}:env_report_main"},
 }
@@ -146,8 +145,9 @@ REFUSED: dict[str, tuple[str, str]] = {
     "revert_transformer_layer": ("feature", _INFERENCE),
     "InferenceEngine": ("feature", _INFERENCE),
     "DeepSpeedInferenceConfig": ("feature", _INFERENCE),
-    **{f"moe.{m}": ("feature", "mixture of experts (deepspeed.moe) is not built in terascale yet")
-       for m in ("layer", "experts", "sharded_moe", "mappings", "capacity_bins", "utils.has_moe_layers")},
+    **{f"moe.{m}": ("feature", "expert tensor parallelism (deepspeed.moe's token mappings, capacity bins) "
+                    "is not built yet; terascale's experts compose with data parallelism and ZeRO")
+       for m in ("mappings", "capacity_bins")},
     "DeepSpeedTransformerLayer": ("feature", _KERNELS),
     "DeepSpeedTransformerConfig": ("feature", _KERNELS),
     "ops.transformer": ("feature", _KERNELS),

@@ -174,31 +174,3 @@ TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 CROSS_RANK, CROSS_SIZE = "CROSS_RANK", "CROSS_SIZE"  # environment variable names
 ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, SGD_OPTIMIZER = "adam", "adamw", "lamb", "sgd"
 ONEBIT_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER = "onebitadam", "onebitlamb", "zerooneadam"
-
-
-# -- deepspeed.moe.utils: the grouping helpers scripts import at the top -------------------------
-# DeepSpeed's CIFAR example imports split_params_into_different_moe_groups_for_optimizer
-# unconditionally and uses MoE only under --moe. terascale builds no MoE yet (deepspeed.moe.layer
-# stays refused), so no parameter is an expert parameter and the helpers leave groups as they are.
-
-
-def is_moe_param(param: Any) -> bool:
-    """Whether ``param`` is an expert parameter (DeepSpeed's MoE marks them ``allreduce=False``)."""
-    return hasattr(param, "allreduce") and not param.allreduce
-
-
-def split_params_into_different_moe_groups_for_optimizer(
-    param_groups: dict[str, Any] | tuple[dict[str, Any], ...] | list[dict[str, Any]],
-    max_group_size: int | float = 178956971,
-) -> list[dict[str, Any]]:
-    """``param_groups`` as a list, expert parameters in groups of their own (DeepSpeed's
-    helper). Without MoE layers there are none, so the groups come back unchanged."""
-    if isinstance(param_groups, dict):
-        param_groups = [param_groups]
-    elif isinstance(param_groups, tuple):
-        param_groups = list(param_groups)
-    elif not isinstance(param_groups, list):
-        raise ValueError(f"Unknown param group type of {type(param_groups)}")
-    if any(is_moe_param(p) for group in param_groups for p in group["params"]):
-        raise ValueError("expert parameters (allreduce=False) need deepspeed.moe, which terascale does not build yet")
-    return param_groups

@@ -1,0 +1,112 @@
+"""What ``initialize`` does for a model with experts: groups, initial values, optimizer groups.
+
+The model's MoE layers ([Note: expert parameters]) are found by what they are, not by
+name: any module with an ``ep_size`` and a ``set_expert_groups`` method (terascale's and
+DeepSpeed-shaped :class:`terascale.moe.layer.MoE`, the Hugging Face blocks that
+``terascale.moe.hf`` converts) takes its expert-parallel group from here, and any
+:class:`terascale.moe.experts.ExpertParameter` is sharded and reduced over its
+expert-data-parallel group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from torch import nn
+
+from terascale.comm import DistributedContext, broadcast_tensors
+from terascale.moe.experts import expert_group_name, is_expert_param
+from terascale.moe.groups import ExpertGroups, ExpertLayout, expert_groups
+from terascale.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+
+@runtime_checkable
+class ExpertParallel(Protocol):
+    """A layer whose experts are split over expert-parallel groups of ``ep_size`` ranks."""
+
+    ep_size: int
+
+    def set_expert_groups(self, groups: ExpertGroups) -> None: ...
+
+
+def setup_experts(module: nn.Module, dist_ctx: DistributedContext) -> ExpertLayout:
+    """Build the expert-parallel groups ``module``'s MoE layers ask for, hand each layer
+    its own, and say which parameters are experts'. Collective over the world (every
+    rank holds the same layers). Empty for a model without experts."""
+    layers = [m for m in module.modules() if isinstance(m, ExpertParallel)]
+    ep_size_of = {id(p): p.ep_size for p in module.parameters() if is_expert_param(p)}
+    sizes = sorted({m.ep_size for m in layers} | set(ep_size_of.values()))
+    if not sizes:
+        return ExpertLayout()
+    if dist_ctx.mp_world_size > 1 or dist_ctx.pp_world_size > 1:
+        raise ValueError(
+            f"expert parallelism ({', '.join(map(expert_group_name, sizes))}) runs over the data-parallel ranks; "
+            f"this model also has tensor-parallel size {dist_ctx.mp_world_size} and {dist_ctx.pp_world_size} "
+            "pipeline stage(s), which terascale does not compose with experts yet"
+        )
+    groups = {n: expert_groups(dist_ctx.dp_group, n) for n in sizes}
+    for m in layers:
+        m.set_expert_groups(groups[m.ep_size])
+    return ExpertLayout(groups, ep_size_of)
+
+
+def broadcast_initial_values(module: nn.Module, dist_ctx: DistributedContext, experts: ExpertLayout) -> None:
+    """Rank 0's values everywhere, whatever each process's seed did: dense parameters and
+    buffers over the data-parallel group, each expert's parameters over the ranks that
+    replicate it (its expert-data-parallel group: the other ranks hold other experts)."""
+    params = list(module.parameters())
+    dense = [p.data for p in params if id(p) not in experts.ep_size_of]
+    broadcast_tensors(dense + list(module.buffers()), dist_ctx.dp_group)
+    for n, groups in sorted(experts.groups.items()):
+        broadcast_tensors([p.data for p in params if experts.ep_size_of.get(id(p)) == n], groups.edp_group)
+
+
+def group_experts_apart(param_groups: list[dict], experts: ExpertLayout) -> list[dict]:
+    """The optimizer groups an engine-built optimizer steps: as DeepSpeed's engine does
+    (``configure_moe_param_groups``), groups that no one marked ``'moe'`` have their expert
+    parameters moved into groups of their own, named ``ep_size_<N>``; unnamed groups are
+    named ``dense-params`` (``dense-params-<k>`` when there are several)."""
+    if not experts or any("moe" in g for g in param_groups):
+        return param_groups
+    named = [
+        {"name": "dense-params" if len(param_groups) == 1 else f"dense-params-{k}", **g} for k, g in enumerate(param_groups)
+    ]
+    return split_params_into_different_moe_groups_for_optimizer(named, max_group_size=None)
+
+
+def check_expert_param_groups(param_groups: Sequence[dict], experts: ExpertLayout, stage: int) -> None:
+    """DeepSpeed's rule for optimizer groups under ZeRO, kept so that a program runs the
+    same on both: expert parameters go in groups of their own, marked ``'moe': True`` and
+    named by their expert-parallel size (``split_params_into_different_moe_groups_for_optimizer``
+    builds them). A group mixing them with dense parameters, or a marked group holding
+    dense ones, is refused with the counts. (terascale would reduce them right either way:
+    its ZeRO groups split by parameter class, not by optimizer group; stage 0 takes any
+    groups, as DeepSpeed's does.)"""
+    if not experts or stage == 0:
+        return
+    for k, group in enumerate(param_groups):
+        params = list(group["params"])
+        sizes = [experts.ep_size_of.get(id(p)) for p in params]
+        n_expert = sum(s is not None for s in sizes)
+        n_dense = len(params) - n_expert
+        label = f"optimizer param group {k}" + (f" ('{group['name']}')" if "name" in group else "")
+        if group.get("moe"):
+            if n_dense:
+                raise ValueError(
+                    f"{label} is marked 'moe': True but holds {n_dense} dense parameter(s) beside {n_expert} expert "
+                    "parameter(s); build the groups with split_params_into_different_moe_groups_for_optimizer"
+                )
+            names = {expert_group_name(s) for s in sizes if s is not None}
+            if names and group.get("name") not in names:
+                raise ValueError(
+                    f"{label} holds the expert parameters of {sorted(names)} but is named {group.get('name')!r}; "
+                    "an expert group is named by its expert-parallel size (as the split function names it)"
+                )
+        elif n_expert:
+            raise ValueError(
+                f"{label} mixes {n_expert} expert parameter(s) ({', '.join(sorted({expert_group_name(s) for s in sizes if s}))}) "
+                f"with {n_dense} dense one(s): expert parameters are reduced and sharded over their own groups. Pass "
+                "the groups through terascale.moe.utils.split_params_into_different_moe_groups_for_optimizer "
+                "(deepspeed.moe.utils' function) before building the optimizer"
+            )

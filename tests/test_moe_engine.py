@@ -1,0 +1,152 @@
+"""DeepSpeed's ``MoE`` layer trained by the engine with expert parallelism, against the same
+model with every expert in one process: losses, dense parameters and each expert's
+parameters at ZeRO 0-3 ([Note: expert parameters], [Note: expert-parallel groups])."""
+
+from __future__ import annotations
+
+import pytest
+
+from distributed import run_ranks
+
+E, H, STEPS, MICRO = 4, 8, 4, 3
+
+
+def _net(ep_size: int, **moe):
+    import torch
+    from torch import nn
+
+    from terascale.moe.layer import MoE
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(6, H)
+            expert = nn.Sequential(nn.Linear(H, 2 * H), nn.GELU(), nn.Linear(2 * H, H))
+            self.moe = MoE(H, expert, num_experts=E, ep_size=ep_size, **moe)
+            self.out = nn.Linear(H, 3)
+
+        def forward(self, x, y):
+            h = torch.tanh(self.inp(x))
+            m, l_aux, _ = self.moe(h)
+            return nn.functional.mse_loss(self.out(h + m), y) + 0.1 * l_aux
+
+    return Net()
+
+
+def _reference(**moe):
+    """The single-process model: ep_size 1, every expert different (seeded)."""
+    import torch
+
+    torch.manual_seed(0)
+    net = _net(1, **moe)
+    with torch.no_grad():
+        for i, expert in enumerate(net.moe.deepspeed_moe.experts.deepspeed_experts):
+            for p in expert.parameters():
+                p.add_(0.1 * (i + 1) * torch.randn_like(p))
+    return net
+
+
+def _local_state(ref_state: dict, ep_rank: int, local: int) -> dict:
+    """The reference's state dict with this ep rank's experts renumbered from 0."""
+    prefix = "moe.deepspeed_moe.experts.deepspeed_experts."
+    out = {}
+    for k, v in ref_state.items():
+        if not k.startswith(prefix):
+            out[k] = v
+            continue
+        g, rest = k[len(prefix) :].split(".", 1)
+        if ep_rank * local <= int(g) < (ep_rank + 1) * local:
+            out[f"{prefix}{int(g) - ep_rank * local}.{rest}"] = v
+    return out
+
+
+def _batches(world: int):
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    return [[(torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)) for _ in range(world)]
+            for _ in range(STEPS * MICRO)]  # fmt: skip
+
+
+def _config(stage: int, world: int) -> dict:
+    zero = {"stage": stage}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0  # every group gathered and freed, experts too
+    return {
+        "train_batch_size": 1 * MICRO * world, "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "eps": 1e-6}},
+        "gradient_clipping": 0.05,  # below the gradients' norm: the global norm (experts counted once) matters
+        "zero_optimization": zero, "steps_per_print": 1000,
+    }  # fmt: skip
+
+
+def _reference_run(world: int, moe: dict):
+    """Losses and final state of the reference trained on every rank's batches at once:
+    each window's loss is the mean over ranks of each rank's mean micro-batch loss."""
+    import torch
+
+    net = _reference(**moe)
+    start = {k: v.clone() for k, v in net.state_dict().items()}
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2, eps=1e-6)
+    losses = []
+    data = _batches(world)
+    for step in range(STEPS):
+        opt.zero_grad()
+        window = []
+        for micro in range(MICRO):
+            per_rank = [net(x, y) for x, y in data[step * MICRO + micro]]
+            (sum(per_rank) / (world * MICRO)).backward()
+            window.append([loss.item() for loss in per_rank])
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+        opt.step()
+        losses.append(window)
+    return start, losses, {k: v.clone() for k, v in net.state_dict().items()}
+
+
+def _moe_rank(stage: int, ep_size: int, moe: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import terascale
+    from terascale.comm import init_distributed
+
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    start, ref_losses, ref_final = _reference_run(world, moe)
+    local = E // ep_size
+    ep_rank = rank % ep_size  # DeepSpeed's layout: ep groups are consecutive ranks
+    torch.manual_seed(1000 + rank)  # different on every rank: initialize must broadcast
+    net = _net(ep_size, **moe)
+    net.load_state_dict(_local_state(start, ep_rank, local))
+    engine, *_ = terascale.initialize(model=net, config=_config(stage, world))
+    data = _batches(world)
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            x, y = data[step * MICRO + micro][rank]
+            loss = engine(x, y)
+            torch.testing.assert_close(loss.item(), ref_losses[step][micro][rank], rtol=2e-5, atol=1e-6)
+            engine.backward(loss)
+            engine.step()
+    final = _local_state(ref_final, ep_rank, local)
+    with terascale.zero.GatheredParameters(list(engine.module.parameters())):
+        got = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+    assert set(got) == set(final)
+    for k in final:
+        torch.testing.assert_close(got[k], final[k], rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_dropless_top2_at_ep2_matches_one_process(stage):
+    run_ranks(_moe_rank, 2, stage, 2, {"k": 2, "drop_tokens": False, "top2_2nd_expert_sampling": False})
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_ep2_inside_four_data_parallel_ranks(stage):
+    # ep groups [0, 1], [2, 3]; each expert replicated on two ranks (expert-data-parallel).
+    run_ranks(_moe_rank, 4, stage, 2, {"k": 2, "drop_tokens": False, "top2_2nd_expert_sampling": False}, timeout=300)
+
+
+def test_top1_with_capacity_and_residual_at_ep2():
+    # Token dropping (capacity 1.0, no random selection) and Residual MoE's dense branch.
+    run_ranks(_moe_rank, 2, 2, 2, {"k": 1, "capacity_factor": 1.0, "min_capacity": 1, "use_rts": False,
+                                   "use_residual": True})  # fmt: skip
