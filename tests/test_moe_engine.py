@@ -4,7 +4,10 @@ parameters at ZeRO 0-3 ([Note: expert parameters], [Note: expert-parallel groups
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from distributed import run_ranks
 
@@ -150,3 +153,56 @@ def test_top1_with_capacity_and_residual_at_ep2():
     # Token dropping (capacity 1.0, no random selection) and Residual MoE's dense branch.
     run_ranks(_moe_rank, 2, 2, 2, {"k": 1, "capacity_factor": 1.0, "min_capacity": 1, "use_rts": False,
                                    "use_residual": True})  # fmt: skip
+
+
+def _checkpoint_rank(stage: int, ep_size: int, save_dir: str, load: bool) -> dict:
+    """Train 2 steps and save (or load what another layout saved), then 2 more steps; the
+    losses of the last 2 steps and the whole model's state dict, from rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    import terascale
+    from terascale.comm import init_distributed
+
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    moe = {"k": 2, "drop_tokens": False, "top2_2nd_expert_sampling": False}
+    start = _reference(**moe).state_dict()
+    net = _net(ep_size, **moe)
+    net.load_state_dict(_local_state(start, rank % ep_size, E // ep_size))
+    engine, *_ = terascale.initialize(model=net, config=_config(stage, world))
+    data = _batches(world)
+
+    def steps(first: int) -> list[float]:
+        losses = []
+        for step in range(first, first + 2):
+            for micro in range(MICRO):
+                x, y = data[step * MICRO + micro][rank]
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+        return losses
+
+    if load:
+        engine.load_checkpoint(save_dir)
+    else:
+        steps(0)
+        engine.save_checkpoint(save_dir)
+    saved = engine.full_state_dict()
+    return {"losses": steps(2), "saved": saved}
+
+
+def test_checkpoint_holds_every_expert_once_and_loads_on_other_ep_sizes(tmp_path):
+    save_dir = str(tmp_path / "ckpt")
+    whole = run_ranks(_checkpoint_rank, 2, 2, 2, save_dir, False)[0]  # ep 2, ZeRO-2
+    names = json.loads(next((tmp_path / "ckpt").glob("global_step*/manifest.json")).read_text())["params"]
+    experts = sorted(n for n in names if ".deepspeed_experts." in n)
+    assert len(experts) == E * 4  # every expert's 2 weights and 2 biases, each once, by global number
+    assert {n.split(".deepspeed_experts.")[1].split(".")[0] for n in experts} == {str(i) for i in range(E)}
+    for stage, ep_size in [(3, 1), (0, 2)]:  # all experts on each rank (ZeRO-3); ep 2 at stage 0
+        resumed = run_ranks(_checkpoint_rank, 2, stage, ep_size, save_dir, True)[0]
+        assert set(resumed["saved"]) == set(whole["saved"])
+        for k, v in whole["saved"].items():
+            torch.testing.assert_close(resumed["saved"][k], v, rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(resumed["losses"], whole["losses"], rtol=2e-5, atol=1e-6)

@@ -11,7 +11,10 @@ translates both ways:
 - pipeline stages hold different parameters under names that do not depend on the
   stage count, so each stage simply saves its own; only the owner of a tied layer
   saves it ([Note: tied parameters across stages]);
-- buffers are saved by one rank per pipeline stage (data- and tensor-parallel rank 0).
+- buffers are saved by one rank per pipeline stage (data- and tensor-parallel rank 0);
+- an expert is recorded under its global number, whichever rank of an expert-parallel
+  group holds it and as which local expert, so a checkpoint holds every expert once and
+  loads on another expert-parallel size (each rank reads the experts it now holds).
 
 Every rank contributes its parameters' records to the manifest, which rank 0 merges.
 """
@@ -38,6 +41,7 @@ class CheckpointLayout:
     """This rank's local spans <-> checkpoint spans (see the module docstring)."""
 
     def __init__(self, module: torch.nn.Module, state: ModelState, dist_ctx: DistributedContext, parallel: ParallelLayout) -> None:
+        self._global = dict(parallel.experts.global_names)  # local name -> the whole model's
         self._local = state.checkpoint_params()
         self._slices = {
             n: TensorSlice(s.dim % len(self._local[n].shape), s.parts, s.index, s.fused)
@@ -57,12 +61,15 @@ class CheckpointLayout:
         for name, info in self._local.items():
             s = self._slices.get(name)
             if s is None:
-                out[name] = info
+                out[self._name(name)] = info
                 continue
             shape = list(info.shape)
             shape[s.dim] *= s.parts
             out[name] = ParamInfo(tuple(shape), info.dtype, info.opt_group, SliceOrder.of(s.dim, s.parts, s.fused))
         return out
+
+    def _name(self, local: str) -> str:
+        return self._global.get(local, local)
 
     def saved(self, chunk: list[Slice]) -> list[Slice]:
         """``chunk``'s spans in checkpoint coordinates; a tied layer's copies but the
@@ -77,15 +84,15 @@ class CheckpointLayout:
     def _moved(self, span: Span, t: torch.Tensor) -> Span:
         s = self._slices.get(span.name)
         if s is None or t.dim() == 0:  # a 0-d optimizer value (a step count) is no element
-            return span
+            return span if span.name not in self._global else Span(span.key, self._global[span.name], span.start, span.end)
         offset = s.index * self._local[span.name].numel
         return Span(span.key, span.name, span.start + offset, span.end + offset)
 
     def all_names(self, buffers: set[str]) -> set[str]:
         """The parameter and buffer names of the whole model, ``buffers`` being this rank's:
         every pipeline stage's (collective then)."""
-        names = set(self._local) | buffers
-        if self._dist.pp_world_size > 1:
+        names = {self._name(n) for n in self._local} | buffers
+        if self._dist.pp_world_size > 1 or self._global:  # every stage's, every expert
             everyone: list[Any] = [None] * dist.get_world_size()
             comm_ops.all_gather_object(everyone, sorted(names))
             names = {n for ns in everyone for n in ns}
@@ -98,6 +105,8 @@ class CheckpointLayout:
         """Fill ``out`` with local span ``span`` from whatever layout saved it. A parameter
         trainable in one run and frozen in the other is found under the other kind (master
         vs param) and cast; optimizer state the saving run never created is zeroed."""
+        if span.name in self._global:  # a local expert: saved under its global number
+            span = Span(span.key, self._global[span.name], span.start, span.end)
         if not reader.has(span.key, span.name):
             other = {MASTER: PARAM, PARAM: MASTER}.get(span.key)
             if other is not None and reader.has(other, span.name):

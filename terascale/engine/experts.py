@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 from torch import nn
 
 from terascale.comm import DistributedContext, broadcast_tensors
-from terascale.moe.experts import expert_group_name, is_expert_param
+from terascale.moe.experts import Experts, expert_group_name, is_expert_param
 from terascale.moe.groups import ExpertGroups, ExpertLayout, expert_groups
 from terascale.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
@@ -48,7 +48,23 @@ def setup_experts(module: nn.Module, dist_ctx: DistributedContext) -> ExpertLayo
     groups = {n: expert_groups(dist_ctx.dp_group, n) for n in sizes}
     for m in layers:
         m.set_expert_groups(groups[m.ep_size])
-    return ExpertLayout(groups, ep_size_of)
+    return ExpertLayout(groups, ep_size_of, global_expert_names(module, groups))
+
+
+def global_expert_names(module: nn.Module, groups: dict[int, ExpertGroups]) -> dict[str, str]:
+    """Each parameter of ``module``'s :class:`Experts` under its global expert number: local
+    expert ``i`` of ep rank ``r`` is expert ``r * num_local_experts + i``."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    out = {}
+    for path, m in module.named_modules():
+        if not isinstance(m, Experts) or m.ep_size == 1:
+            continue
+        first = groups[m.ep_size].ep_rank * m.num_local_experts
+        for i, expert in enumerate(m.deepspeed_experts):
+            for rest, p in expert.named_parameters():
+                local = names[id(p)]
+                out[local] = f"{path + '.' if path else ''}deepspeed_experts.{first + i}.{rest}"
+    return out
 
 
 def broadcast_initial_values(module: nn.Module, dist_ctx: DistributedContext, experts: ExpertLayout) -> None:

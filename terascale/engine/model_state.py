@@ -163,15 +163,16 @@ class ReplicatedState:
         # Dense gradients are all-reduced over ``group``; each expert-parallel size's over its
         # expert-data-parallel group, averaged over all of ``group`` ([Note: expert parameters]).
         world = dist.get_world_size(group)
-        self._parts: list[tuple[list[int], GradientBuckets, ExpertGroups | None]] = []
+        self._reductions: list[tuple[list[int], GradientBuckets, ExpertGroups | None]] = []
         for groups, index in (experts or ExpertLayout()).split(trainable):
             params = [trainable[i] for i in index]
             buckets = GradientBuckets(
                 params, [names.get(id(p), "<unnamed>") for p in params],
                 group if groups is None else groups.edp_group, reduce_policy, device, average_over=world,
             )  # fmt: skip
-            self._parts.append((index, buckets, groups))
-        self._buckets = self._parts[0][1]  # the dense parameters'
+            self._reductions.append((index, buckets, groups))
+        self._buckets = self._reductions[0][1]  # the dense parameters'
+        self._experts = experts or ExpertLayout()
         self._finished = False
         self._group = group
         self._device = device
@@ -186,16 +187,16 @@ class ReplicatedState:
     @property
     def comm_stats(self) -> CommStats:
         """Bytes this rank has sent reducing gradients (dense and sparse)."""
-        if len(self._parts) == 1:
+        if len(self._reductions) == 1:
             return self._buckets.comm
         total = CommStats()
-        for _, buckets, _ in self._parts:
+        for _, buckets, _ in self._reductions:
             for key, value in vars(buckets.comm).items():
                 setattr(total, key, getattr(total, key) + value)
         return total
 
     def prepare_backward(self, sync: bool) -> None:
-        for _, buckets, _ in self._parts:
+        for _, buckets, _ in self._reductions:
             buckets.prepare_backward(sync)
 
     def post_backward(self) -> None:
@@ -203,7 +204,7 @@ class ReplicatedState:
 
     def wait_breakdown(self) -> dict[str, float]:
         """Seconds blocked by cause (see ``ShardedState.wait_breakdown``): only gradient all-reduces here."""
-        blocked = sum(buckets.blocked_s for _, buckets, _ in self._parts)
+        blocked = sum(buckets.blocked_s for _, buckets, _ in self._reductions)
         return {"param_gather": 0.0, "grad_reduce": blocked, "offload_io": 0.0}
 
     def grad_sq_norm(self, skip: Collection[int] = frozenset(), extra: torch.Tensor | None = None) -> torch.Tensor:
@@ -213,7 +214,7 @@ class ReplicatedState:
         # are summed over that group.
         masters, params = self._masters.masters, self._masters.model_params
         sq = torch.zeros((), dtype=torch.float32, device=self._device)
-        for index, _, groups in self._parts:
+        for index, _, groups in self._reductions:
             grads = [masters[i].grad for i in index if masters[i].grad is not None and id(params[i]) not in skip]
             sq = sq + global_grad_sq_norm(grads, None if groups is None else groups.ep_group, device=self._device)
         if extra is not None:  # every rank's extra, summed: one scalar all-reduce
@@ -252,7 +253,7 @@ class ReplicatedState:
     def _finish(self) -> None:
         if not self._finished:
             grads: list[torch.Tensor | None] = [None] * len(self._masters.masters)
-            for index, buckets, _ in self._parts:
+            for index, buckets, _ in self._reductions:
                 buckets.finish()
                 for i, g in zip(index, buckets.grads()):
                     grads[i] = g
@@ -263,7 +264,7 @@ class ReplicatedState:
         return [m.grad for m in self._masters.masters if m.grad is not None]
 
     def zero_grad(self) -> None:
-        for _, buckets, _ in self._parts:
+        for _, buckets, _ in self._reductions:
             buckets.zero_()
         self._masters.clear_grads()
         self._finished = False
@@ -285,7 +286,7 @@ class ReplicatedState:
         masters = [m for m in self._masters.masters if all(m is not p for p in params)]
         return {
             "params": _nbytes(params),
-            "grads": _nbytes([buckets.buffer for _, buckets, _ in self._parts]),
+            "grads": _nbytes([buckets.buffer for _, buckets, _ in self._reductions]),
             "master_params": _nbytes(masters) if masters else 0,
         }
 
@@ -331,11 +332,18 @@ class ReplicatedState:
 
     def _parts(self, mode: SliceMode) -> list[tuple[int, int, int]]:
         """``(parameter index, start, end)`` this rank reads or writes in ``mode``: all of
-        every parameter to load or hold, an even split over the ranks to save."""
+        every parameter to load or hold, an even split over the ranks to save (experts'
+        over the ranks that hold the same experts, so that each is saved once)."""
         if mode in (SliceMode.LOAD, SliceMode.HELD):
             return [(i, 0, p.numel()) for i, (_, p) in enumerate(self._named)]
-        layout = FlatLayout.build([(n, p.shape) for n, p in self._named], dist.get_world_size(self._group))
-        return [(f.slot, f.start, f.end) for f in layout.fragments(dist.get_rank(self._group))]
+        out = []
+        for groups, index in self._experts.split([p for _, p in self._named]):
+            if not index:
+                continue
+            group = self._group if groups is None else groups.edp_group
+            layout = FlatLayout.build([(self._named[i][0], self._named[i][1].shape) for i in index], dist.get_world_size(group))
+            out += [(index[f.slot], f.start, f.end) for f in layout.fragments(dist.get_rank(group))]
+        return sorted(out)
 
     def grad_slices(self, mode: SliceMode) -> list[Slice]:
         """The window's reduced (averaged, still loss-scaled) gradients of the trained
@@ -354,7 +362,7 @@ class ReplicatedState:
         pass  # nothing is gathered at stage 0
 
     def remove_hooks(self) -> None:
-        for _, buckets, _ in self._parts:
+        for _, buckets, _ in self._reductions:
             buckets.remove_hooks()
 
 

@@ -14,7 +14,11 @@ data-parallel coordinate, which together hold one copy of everything:
   bias, replicated embeddings) has the same gradient on all of them and is counted by
   tensor-parallel rank 0 only;
 - a tied layer's copies on several pipeline stages are summed first
-  ([Note: tied parameters across stages]) and counted by the owner stage only.
+  ([Note: tied parameters across stages]) and counted by the owner stage only;
+- an expert's parameters are counted by the ranks holding that expert: their ZeRO groups
+  shard over the expert-data-parallel group, so the data-parallel sum of shards covers
+  every expert once (stage 0 sums its replicated experts over the expert-parallel group
+  instead: [Note: expert parameters]).
 
 Every rank then holds the same norm, so they all clip alike and agree on an overflow.
 Which parameters a rank counts is decided per ZeRO group ([Note: parameter classes]),
@@ -36,6 +40,7 @@ from terascale.comm import DistributedContext, ModelParallelUnit
 from terascale.comm import ops as comm_ops
 from terascale.config import Config
 from terascale.engine.model_state import ModelState
+from terascale.moe.groups import ExpertLayout
 from terascale.optim.lamb import Lamb
 from terascale.parallel.topology import Topology
 from terascale.parallel.slicing import TensorSlice, join_slices, sliced_parameters
@@ -72,11 +77,13 @@ class ParallelLayout:
     skip: frozenset[int] = frozenset()
     ties: tuple[Tie, ...] = ()
     classes: dict[int, Hashable] = field(default_factory=dict)
+    experts: ExpertLayout = field(default_factory=ExpertLayout)  # expert parallelism's share
 
     @staticmethod
-    def build(module: nn.Module, dist_ctx: DistributedContext) -> ParallelLayout:
+    def build(module: nn.Module, dist_ctx: DistributedContext, experts: ExpertLayout | None = None) -> ParallelLayout:
         ties = tuple(module.ties()) if isinstance(module, HasTies) else ()
-        classes: dict[int, Hashable] = {}
+        experts = experts or ExpertLayout()
+        classes: dict[int, Hashable] = experts.classes()
         skip: set[int] = set()
         slices = model_slices(module, dist_ctx)
         if dist_ctx.mp_world_size > 1:
@@ -91,7 +98,7 @@ class ParallelLayout:
                 if not tie.owner:
                     skip.add(id(p))
         sliced = frozenset(id(p) for name, p in module.named_parameters() if name in slices)
-        return ParallelLayout(dist_ctx, slices, sliced, frozenset(skip), ties, classes)
+        return ParallelLayout(dist_ctx, slices, sliced, frozenset(skip), ties, classes, experts)
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse what would step tensor-parallel slices wrongly: Lamb's own gradient
@@ -200,9 +207,21 @@ def check_layout(model: nn.Module, config: Config, dist_ctx: DistributedContext)
 def join_model_parallel(state: dict[str, torch.Tensor], layout: ParallelLayout) -> dict[str, torch.Tensor]:
     """The whole model's state dict from this rank's part of it (``state``: full over the
     data-parallel ranks, CPU tensors): tensor-parallel slices joined over the
-    tensor-parallel group, every pipeline stage's entries merged. Collective over both
-    groups; every rank gets the result."""
+    tensor-parallel group, every pipeline stage's entries merged, every expert-parallel
+    rank's experts under their global numbers. Collective over those groups; every rank
+    gets the result."""
     dist_ctx, slices = layout.dist, layout.slices
+    experts = layout.experts
+    if experts.global_names:
+        own = {experts.global_names[n]: state.pop(n) for n in list(state) if n in experts.global_names}
+        for n, groups in sorted(experts.groups.items()):
+            if groups.ep_group is None:
+                continue
+            parts: list[Any] = [None] * n
+            comm_ops.all_gather_object(parts, own, group=groups.ep_group)
+            for part in parts:
+                own.update(part)
+        state.update(own)
     if slices:
         group = dist_ctx.mp_group
         for name in [n for n in state if n in slices]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,7 +70,6 @@ class PreparedModel:
     activations: EngineActivations
     layout: ParallelLayout
     state: ModelState
-    experts: ExpertLayout = field(default_factory=ExpertLayout)
 
 
 def prepare_model(
@@ -119,10 +118,9 @@ def prepare_model(
         param_groups = group_experts_apart(param_groups, experts)
 
     activations = EngineActivations(module, config, dist_ctx, wrap)
-    layout = ParallelLayout.build(module, dist_ctx)
-    classes = {**layout.classes, **experts.classes()}
-    state = build_model_state(module, param_groups, config, dist_ctx, precision, wrap, classes, experts)
-    return PreparedModel(module, precision, activations, layout, state, experts)
+    layout = ParallelLayout.build(module, dist_ctx, experts)
+    state = build_model_state(module, param_groups, config, dist_ctx, precision, wrap, layout.classes, experts)
+    return PreparedModel(module, precision, activations, layout, state)
 
 
 def user_param_groups(

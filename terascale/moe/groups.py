@@ -87,6 +87,11 @@ class ExpertLayout:
 
     groups: Mapping[int, ExpertGroups] = field(default_factory=dict)
     ep_size_of: Mapping[int, int] = field(default_factory=dict)
+    # Parameter name -> its name in the whole model: a local expert's index replaced by its
+    # global one (``...deepspeed_experts.1.w`` is expert 3 on ep rank 1 of 2 ranks x 2).
+    # Checkpoints and full state dicts use these names, so they hold every expert once and
+    # load on any expert-parallel size.
+    global_names: Mapping[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.ep_size_of)
