@@ -30,8 +30,8 @@ def _moe(x, gate, experts, k, factor, group, num_experts):
     from terascale.moe.gating import route
 
     routes = route(gate(x), k, capacity_factor=factor, min_capacity=1, use_rts=False, second_expert_sampling=False)
-    rows, per_expert, record = dispatch(x, routes, num_experts, group)
-    return combine(run_experts(rows, per_expert, experts), routes, record)
+    rows, per_expert, record = dispatch(x, routes.expert, num_experts, group, routes.kept)
+    return combine(run_experts(rows, per_expert, experts), routes.weight, record)
 
 
 def _dispatch_rank(k: int, factor: float | None, e: int) -> None:
@@ -76,7 +76,11 @@ def test_one_rank_keeps_every_route_and_checks_shapes():
     from terascale.moe.gating import route
 
     routes = route(torch.randn(5, 3), 1)
-    rows, per_expert, _ = dispatch(torch.randn(5, 4), routes, 3, None)
+    rows, per_expert, _ = dispatch(torch.randn(5, 4), routes.expert, 3, None, routes.kept)
     assert sum(per_expert) == 5 and rows.shape == (5, 4)
+    # Routes not kept (an index past the experts, as Hugging Face's padding sentinel) stay home.
+    kept = torch.tensor([[True], [False], [True], [True], [False]])
+    rows, per_expert, _ = dispatch(torch.randn(5, 4), routes.expert, 3, None, kept)
+    assert sum(per_expert) == 3 and rows.shape == (3, 4)
     with pytest.raises(ValueError, match="5 tokens but routes for 4"):
-        dispatch(torch.randn(5, 4), route(torch.randn(4, 3), 1), 3, None)
+        dispatch(torch.randn(5, 4), route(torch.randn(4, 3), 1).expert, 3, None)

@@ -121,3 +121,23 @@ def test_bad_expert_layouts_are_refused_with_the_numbers():
     assert "ep_size 4 does not divide the data-parallel world of 2 ranks" in world
     assert "optimizer param group 0 mixes 8 expert parameter(s) (ep_size_2) with 3 dense one(s)" in mixed
     assert "split_params_into_different_moe_groups_for_optimizer" in mixed
+
+
+@pytest.mark.parametrize("k_dim", [8, 6])  # 6 fp32 elements: rows not 16-byte aligned, the loop runs
+def test_grouped_linear_is_one_linear_per_expert(k_dim):
+    from terascale.moe.grouped import grouped_linear, grouped_mm_fits
+
+    torch.manual_seed(0)
+    x = torch.randn(9, k_dim, requires_grad=True)
+    w = torch.randn(3, 12, k_dim, requires_grad=True)
+    counts = [4, 0, 5]  # an expert without rows still gets a (zero) gradient
+    assert grouped_mm_fits(x, w) == (k_dim == 8)
+    out = grouped_linear(x, w, counts)
+    out.sum().backward()  # an expanded gradient: grouped_mm's backward needs it made contiguous
+    x2, w2 = x.detach().requires_grad_(), w.detach().requires_grad_()
+    ref = torch.cat([x2[:4] @ w2[0].T, x2[4:4] @ w2[1].T, x2[4:] @ w2[2].T])
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(w.grad, w2.grad)
+    assert w.grad[1].abs().sum() == 0

@@ -255,7 +255,6 @@ FEATURES: tuple[Feature, ...] = (
             ("hybrid_engine", "hybrid (RLHF) engine"),
             ("nebula", "Nebula checkpointing"),
             ("datastates", "DataStates checkpointing"),
-            ("expert_parallel", "expert parallelism"),
             ("comet", "Comet monitor"),
             ("trackio", "Trackio monitor"),
         )

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from terascale.config.errors import ConfigError
 from terascale.config.section import Section
@@ -118,3 +118,29 @@ def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1, sp: int = 1) -
             "or change those sizes"
         )
     return world_size // model_parallel
+
+
+class ExpertParallelConfig(Section):
+    """``expert_parallel`` (DeepSpeed's AutoEP section; ``moe`` is terascale's shorter
+    name for it): split the experts of a Hugging Face MoE model over expert-parallel
+    groups of ``autoep_size`` ranks inside ``terascale.initialize`` (``ep_size`` is
+    another spelling). On when ``enabled`` is true, or when it is left out and the size is
+    above 1. Layers a program builds itself (``deepspeed.moe.layer.MoE``) take their
+    ``ep_size`` from their constructor instead.
+
+    ``use_grouped_mm``: all local experts in one grouped matmul where shapes allow;
+    ``preset_model``: DeepSpeed's name for the model family, checked against the model;
+    ``load_balance_coeff`` must stay null (as in DeepSpeed: the model's own auxiliary
+    loss applies); ``expert_tensor_parallel_size`` must be 1.
+    """
+
+    enabled: bool | None = None
+    autoep_size: int = Field(1, ge=1, validation_alias=AliasChoices("autoep_size", "ep_size"))
+    preset_model: Literal["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe"] | None = None
+    use_grouped_mm: bool = True
+    load_balance_coeff: None = None
+    expert_tensor_parallel_size: Literal[1] = 1
+
+    @property
+    def active(self) -> bool:
+        return bool(self.enabled) if self.enabled is not None else self.autoep_size > 1

@@ -27,7 +27,7 @@ from terascale.config.features import unbuilt_settings
 from terascale.config.health import HealthConfig
 from terascale.config.paths import MISSING
 from terascale.config.paths import get as get_path
-from terascale.config.parallel import PipelineConfig, TensorParallelConfig, data_parallel_size
+from terascale.config.parallel import ExpertParallelConfig, PipelineConfig, TensorParallelConfig, data_parallel_size
 from terascale.config.planner import PlannerConfig
 from terascale.config.profiling import CommsLoggerConfig, FlopsProfilerConfig, TraceConfig
 from terascale.config.section import TORCH_DTYPES, DtypeName, Section, normalize_dtype_name
@@ -331,7 +331,9 @@ class Config(Section):
     nebula: LooseSection = None
     datastates: LooseSection = None
     compile: LooseSection = None
-    expert_parallel: LooseSection = None
+    expert_parallel: ExpertParallelConfig = Field(
+        default_factory=ExpertParallelConfig, validation_alias=AliasChoices("expert_parallel", "moe")
+    )
     weight_quantization: LooseSection = None
 
     gradient_allreduce_op: Literal["mean", "sum"] = "mean"
@@ -565,7 +567,8 @@ def _lenient_sections() -> dict[str, list[str]]:
     """The sections DeepSpeed reads loosely (ignoring keys it does not know), with their
     valid keys: see ``[Note: DeepSpeed compatibility]``."""
     sections = {"": Config}
-    for name in ("activation_checkpointing", "flops_profiler", "aio", "checkpoint", "data_types", "pipeline", "tensor_parallel"):
+    for name in ("activation_checkpointing", "flops_profiler", "aio", "checkpoint", "data_types", "pipeline", "tensor_parallel",
+                 "expert_parallel"):
         sections[name] = submodel(Config.model_fields[name].annotation)
     return {name: key_names(model) for name, model in sections.items()}
 

@@ -14,7 +14,9 @@ translates both ways:
 - buffers are saved by one rank per pipeline stage (data- and tensor-parallel rank 0);
 - an expert is recorded under its global number, whichever rank of an expert-parallel
   group holds it and as which local expert, so a checkpoint holds every expert once and
-  loads on another expert-parallel size (each rank reads the experts it now holds).
+  loads on another expert-parallel size (each rank reads the experts it now holds);
+  experts fused into one tensor per layer are slices of it along dim 0, recorded as
+  tensor-parallel slices are.
 
 Every rank contributes its parameters' records to the manifest, which rank 0 merges.
 """
@@ -45,7 +47,7 @@ class CheckpointLayout:
         self._local = state.checkpoint_params()
         self._slices = {
             n: TensorSlice(s.dim % len(self._local[n].shape), s.parts, s.index, s.fused)
-            for n, s in parallel.slices.items()
+            for n, s in {**parallel.slices, **parallel.experts.slices}.items()
             if n in self._local
         }
         self._not_saved = {n for tie in parallel.ties if not tie.owner for n in tie.names}

@@ -16,7 +16,10 @@ from typing import Protocol, runtime_checkable
 from torch import nn
 
 from terascale.comm import DistributedContext, broadcast_tensors
+from terascale.config.parallel import ExpertParallelConfig
 from terascale.moe.experts import Experts, expert_group_name, is_expert_param
+from terascale.moe.hf import ExpertParallelExperts, split_hf_experts
+from terascale.parallel.slicing import TensorSlice
 from terascale.moe.groups import ExpertGroups, ExpertLayout, expert_groups
 from terascale.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
@@ -30,25 +33,72 @@ class ExpertParallel(Protocol):
     def set_expert_groups(self, groups: ExpertGroups) -> None: ...
 
 
-def setup_experts(module: nn.Module, dist_ctx: DistributedContext) -> ExpertLayout:
-    """Build the expert-parallel groups ``module``'s MoE layers ask for, hand each layer
-    its own, and say which parameters are experts'. Collective over the world (every
-    rank holds the same layers). Empty for a model without experts."""
+def setup_experts(
+    module: nn.Module, dist_ctx: DistributedContext, section: ExpertParallelConfig | None = None
+) -> tuple[ExpertLayout, dict[int, nn.Parameter]]:
+    """Split a Hugging Face model's experts when ``section`` (the config's
+    ``expert_parallel``) asks for it, build the expert-parallel groups ``module``'s MoE
+    layers ask for, hand each layer its own, and say which parameters are experts'.
+    Returns the layout and, for parameters the split replaced, ``id(old) -> new`` (an
+    optimizer built before holds the old ones). Collective over the world (every rank
+    holds the same layers). Empty for a model without experts."""
+    groups: dict[int, ExpertGroups] = {}
+    replaced: dict[int, nn.Parameter] = {}
+    split: dict[str, ExpertParallelExperts] = {}
+    if section is not None and section.active:
+        _check_model_parallel(dist_ctx, [section.autoep_size])
+        n = section.autoep_size
+        groups[n] = expert_groups(dist_ctx.dp_group, n)
+        before = list(module.named_parameters())
+        split = split_hf_experts(module, groups[n], grouped_mm=section.use_grouped_mm)
+        _check_split(module, section, split)
+        after = dict(module.named_parameters())
+        replaced = {id(p): after[name] for name, p in before if name in after and after[name] is not p}
     layers = [m for m in module.modules() if isinstance(m, ExpertParallel)]
     ep_size_of = {id(p): p.ep_size for p in module.parameters() if is_expert_param(p)}
     sizes = sorted({m.ep_size for m in layers} | set(ep_size_of.values()))
     if not sizes:
-        return ExpertLayout()
+        return ExpertLayout(), replaced
+    _check_model_parallel(dist_ctx, sizes)
+    for n in sizes:
+        if n not in groups:
+            groups[n] = expert_groups(dist_ctx.dp_group, n)
+    for m in layers:
+        m.set_expert_groups(groups[m.ep_size])
+    slices = {
+        f"{path}.{w}": TensorSlice(0, m.ep_size, groups[m.ep_size].ep_rank)
+        for path, m in split.items()
+        if m.ep_size > 1
+        for w in ("gate_up_proj", "down_proj")
+    }
+    automatic = frozenset(id(p) for m in split.values() for p in m.parameters())
+    return ExpertLayout(groups, ep_size_of, global_expert_names(module, groups), slices, automatic), replaced
+
+
+def _check_model_parallel(dist_ctx: DistributedContext, sizes: Sequence[int]) -> None:
     if dist_ctx.mp_world_size > 1 or dist_ctx.pp_world_size > 1:
         raise ValueError(
             f"expert parallelism ({', '.join(map(expert_group_name, sizes))}) runs over the data-parallel ranks; "
             f"this model also has tensor-parallel size {dist_ctx.mp_world_size} and {dist_ctx.pp_world_size} "
             "pipeline stage(s), which terascale does not compose with experts yet"
         )
-    groups = {n: expert_groups(dist_ctx.dp_group, n) for n in sizes}
-    for m in layers:
-        m.set_expert_groups(groups[m.ep_size])
-    return ExpertLayout(groups, ep_size_of, global_expert_names(module, groups))
+
+
+def _check_split(module: nn.Module, section: ExpertParallelConfig, split: dict[str, ExpertParallelExperts]) -> None:
+    """The config asked for expert parallelism: the model must have experts to split, of
+    the family ``preset_model`` names if it names one."""
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    if not split:
+        raise ValueError(
+            f"expert_parallel asks for expert-parallel size {section.autoep_size}, but the model "
+            f"({type(module).__name__}) has no Hugging Face fused-experts module to split (Mixtral, Qwen2-MoE, "
+            "Qwen3-MoE, DeepSeek-V2/V3, OLMoE); a program's own deepspeed.moe.layer.MoE layers take ep_size "
+            "from their constructor instead"
+        )
+    if section.preset_model is not None and model_type is not None and model_type != section.preset_model:
+        raise ValueError(
+            f"expert_parallel.preset_model is '{section.preset_model}' but the model is a '{model_type}' model"
+        )
 
 
 def global_expert_names(module: nn.Module, groups: dict[int, ExpertGroups]) -> dict[str, str]:
@@ -82,8 +132,12 @@ def group_experts_apart(param_groups: list[dict], experts: ExpertLayout) -> list
     """The optimizer groups an engine-built optimizer steps: as DeepSpeed's engine does
     (``configure_moe_param_groups``), groups that no one marked ``'moe'`` have their expert
     parameters moved into groups of their own, named ``ep_size_<N>``; unnamed groups are
-    named ``dense-params`` (``dense-params-<k>`` when there are several)."""
-    if not experts or any("moe" in g for g in param_groups):
+    named ``dense-params`` (``dense-params-<k>`` when there are several). Experts that
+    terascale split from a Hugging Face model leave the groups as they are: the same
+    optimizer groups at every expert-parallel size (1 included) let a checkpoint load on
+    any of them."""
+    user_experts = set(experts.ep_size_of) - experts.automatic
+    if not user_experts or any("moe" in g for g in param_groups):
         return param_groups
     named = [
         {"name": "dense-params" if len(param_groups) == 1 else f"dense-params-{k}", **g} for k, g in enumerate(param_groups)
@@ -102,7 +156,7 @@ def check_expert_param_groups(param_groups: Sequence[dict], experts: ExpertLayou
     if not experts or stage == 0:
         return
     for k, group in enumerate(param_groups):
-        params = list(group["params"])
+        params = [p for p in group["params"] if id(p) not in experts.automatic]
         sizes = [experts.ep_size_of.get(id(p)) for p in params]
         n_expert = sum(s is not None for s in sizes)
         n_dense = len(params) - n_expert

@@ -212,6 +212,13 @@ def join_model_parallel(state: dict[str, torch.Tensor], layout: ParallelLayout) 
     gets the result."""
     dist_ctx, slices = layout.dist, layout.slices
     experts = layout.experts
+    for name in [n for n in state if n in experts.slices]:  # fused experts: dim-0 slices over the ep group
+        s = experts.slices[name]
+        group = experts.groups[s.parts].ep_group
+        local = state[name].to(dist_ctx.device).contiguous()
+        parts = [torch.empty_like(local) for _ in range(s.parts)]
+        comm_ops.all_gather(parts, local, group=group)
+        state[name] = torch.cat(parts, dim=0).cpu()
     if experts.global_names:
         own = {experts.global_names[n]: state.pop(n) for n in list(state) if n in experts.global_names}
         for n, groups in sorted(experts.groups.items()):

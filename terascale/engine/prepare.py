@@ -100,7 +100,8 @@ def prepare_model(
 
     precision = PrecisionPolicy(compute_dtype=config.compute_dtype)
     module.to(device=dist_ctx.device, dtype=precision.compute_dtype)
-    experts = setup_experts(module, dist_ctx)
+    experts, split = setup_experts(module, dist_ctx, config.expert_parallel)
+    sliced.update(split)  # Hugging Face experts replaced by this rank's share
     broadcast_initial_values(module, dist_ctx, experts)
 
     if config.zero_optimization.tile_linear_above is not None:

@@ -33,7 +33,6 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from terascale.comm import ops
-from terascale.moe.gating import Routes
 
 
 class _AllToAll(torch.autograd.Function):
@@ -68,20 +67,25 @@ class Dispatched:
 
 
 def dispatch(
-    x: torch.Tensor, routes: Routes, num_experts: int, group: ProcessGroup | None = None
+    x: torch.Tensor,
+    expert: torch.Tensor,
+    num_experts: int,
+    group: ProcessGroup | None = None,
+    kept: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[int], Dispatched]:
-    """Send the tokens ``x`` ([S, M]) of the kept routes to the ranks of their experts in
+    """Send the tokens ``x`` ([S, M]) of the routes ``expert`` ([S, k]: each route's
+    expert) that are ``kept`` ([S, k] bool, default all) to the ranks of their experts in
     ``group`` (``None`` or one rank: all experts are local). Returns the rows for this
     rank's experts, expert by expert ([N, M]), each local expert's row count, and the
     record :func:`combine` takes. Every rank of ``group`` must call it together."""
-    s, k = routes.expert.shape
+    s, k = expert.shape
     if x.shape[0] != s:
         raise ValueError(f"{x.shape[0]} tokens but routes for {s}")
     size = 1 if group is None else dist.get_world_size(group)
     if num_experts % size:
         raise ValueError(f"{num_experts} experts do not split over an expert-parallel group of {size} ranks")
-    flat = routes.expert.reshape(-1)
-    kept = torch.nonzero(routes.kept.reshape(-1)).squeeze(1)
+    flat = expert.reshape(-1)
+    kept = torch.arange(flat.numel(), device=flat.device) if kept is None else torch.nonzero(kept.reshape(-1)).squeeze(1)
     order = kept[torch.argsort(flat[kept], stable=True)]
     rows = x.index_select(0, order // k)
     counts = torch.bincount(flat[order], minlength=num_experts)
@@ -117,15 +121,15 @@ def run_experts(rows: torch.Tensor, per_expert: Sequence[int], experts: Sequence
     return torch.cat(outs)
 
 
-def combine(y: torch.Tensor, routes: Routes, record: Dispatched) -> torch.Tensor:
+def combine(y: torch.Tensor, weight: torch.Tensor, record: Dispatched) -> torch.Tensor:
     """Bring the experts' results ``y`` (rows as :func:`dispatch` returned them) back to
-    their tokens and sum each token's routes weighted by ``routes.weight``, in fp32:
+    their tokens and sum each token's routes weighted by ``weight`` ([S, k]), in fp32:
     [S, M] in ``y``'s dtype (zero for a token with no kept route)."""
     if record.group is not None:
         back = torch.empty_like(record.regroup)
         back[record.regroup] = torch.arange(record.regroup.numel(), device=record.regroup.device)
         y = _AllToAll.apply(y.index_select(0, back), record.send_splits, record.recv_splits, record.group)
-    weight = routes.weight.reshape(-1).index_select(0, record.order)
+    weight = weight.float().reshape(-1).index_select(0, record.order)
     contrib = y.float() * weight.unsqueeze(1)
     out = torch.zeros((record.tokens, y.shape[1]), dtype=torch.float32, device=y.device)
     return out.index_add(0, record.order // record.k, contrib).to(y.dtype)

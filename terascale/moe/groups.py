@@ -23,6 +23,7 @@ from torch.distributed import ProcessGroup
 
 from terascale.comm import ops
 from terascale.moe.experts import expert_group_name
+from terascale.parallel.slicing import TensorSlice
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,12 @@ class ExpertLayout:
     # Checkpoints and full state dicts use these names, so they hold every expert once and
     # load on any expert-parallel size.
     global_names: Mapping[str, str] = field(default_factory=dict)
+    # Parameter name -> its part of the whole model's tensor, for experts fused into one
+    # tensor per layer (Hugging Face's [E, ...] weights): this rank's rows of dim 0.
+    slices: Mapping[str, TensorSlice] = field(default_factory=dict)
+    # ids of the expert parameters terascale made (from a Hugging Face model's experts):
+    # no user optimizer group could have been split for them.
+    automatic: frozenset[int] = frozenset()
 
     def __bool__(self) -> bool:
         return bool(self.ep_size_of)

@@ -107,8 +107,8 @@ class MOELayer(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])
         routes = self.gate(tokens, used_token)
         num_experts = self.num_local_experts * self.ep_size
-        rows, per_expert, record = dispatch(tokens, routes, num_experts, self.ep_group)
-        out = combine(run_experts(rows, per_expert, list(self.experts)), routes, record)
+        rows, per_expert, record = dispatch(tokens, routes.expert, num_experts, self.ep_group, routes.kept)
+        out = combine(run_experts(rows, per_expert, list(self.experts)), routes.weight, record)
         self.l_aux, self.exp_counts = routes.aux_loss, routes.counts.detach()
         return out.reshape(x.shape)
 
