@@ -77,7 +77,9 @@ def _config(stage: int, world: int) -> dict:
         zero["stage3_param_persistence_threshold"] = 0  # every group gathered and freed, experts too
     return {
         "train_batch_size": 1 * MICRO * world, "train_micro_batch_size_per_gpu": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "eps": 1e-6}},
+        # SGD: an update proportional to the gradient, so a gradient averaged over the wrong
+        # ranks shows (Adam's normalisation would hide a constant factor).
+        "optimizer": {"type": "SGD", "params": {"lr": 0.2, "momentum": 0.9}},
         "gradient_clipping": 0.05,  # below the gradients' norm: the global norm (experts counted once) matters
         "zero_optimization": zero, "steps_per_print": 1000,
     }  # fmt: skip
@@ -90,7 +92,7 @@ def _reference_run(world: int, moe: dict):
 
     net = _reference(**moe)
     start = {k: v.clone() for k, v in net.state_dict().items()}
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2, eps=1e-6)
+    opt = torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9)
     losses = []
     data = _batches(world)
     for step in range(STEPS):
@@ -206,3 +208,82 @@ def test_checkpoint_holds_every_expert_once_and_loads_on_other_ep_sizes(tmp_path
         for k, v in whole["saved"].items():
             torch.testing.assert_close(resumed["saved"][k], v, rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
         torch.testing.assert_close(resumed["losses"], whole["losses"], rtol=2e-5, atol=1e-6)
+
+
+class MoEBlock(torch.nn.Module):
+    """A residual MoE block for a pipeline stage (a pipeline layer passes one tensor on,
+    so the load-balancing loss stays out, as Megatron-DeepSpeed's pipe layers leave it)."""
+
+    def __init__(self, ep_size: int) -> None:
+        super().__init__()
+        from terascale.moe.layer import MoE
+
+        expert = torch.nn.Sequential(torch.nn.Linear(H, 2 * H), torch.nn.GELU(), torch.nn.Linear(2 * H, H))
+        self.moe = MoE(H, expert, num_experts=E, ep_size=ep_size, k=2, drop_tokens=False, top2_2nd_expert_sampling=False)
+
+    def forward(self, x):
+        return x + self.moe(x)[0]
+
+
+PIPE_SEED, PIPE_STEPS, PIPE_GAS = 77, 3, 2
+
+
+def _pipe_specs(ep_size: int):
+    from terascale.pipe import LayerSpec
+
+    return [LayerSpec(torch.nn.Linear, 6, H), LayerSpec(torch.nn.Tanh), LayerSpec(MoEBlock, ep_size),
+            LayerSpec(torch.nn.Linear, H, 3)]  # fmt: skip
+
+
+def _pipe_data(dp: int):
+    g = torch.Generator().manual_seed(5)
+    return [[[(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)) for _ in range(dp)]
+             for _ in range(PIPE_GAS)] for _ in range(PIPE_STEPS)]  # fmt: skip
+
+
+def _pipe_reference(dp: int) -> dict:
+    """The same layers in one process (every expert local), every replica's micro-batches."""
+    root = torch.nn.Sequential()
+    for i, spec in enumerate(_pipe_specs(1)):
+        torch.manual_seed(PIPE_SEED + i)
+        root.add_module(str(i), spec.typename(*spec.module_args, **spec.module_kwargs))
+    opt = torch.optim.SGD(root.parameters(), lr=0.1)
+    losses = []
+    for step in _pipe_data(dp):
+        total = 0.0
+        for mb in step:
+            for x, y in mb:
+                loss = torch.nn.functional.mse_loss(root(x), y) / (PIPE_GAS * dp)
+                loss.backward()
+                total += float(loss.detach())
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in root.state_dict().items()}}
+
+
+def _pipe_rank(stage: int) -> dict:
+    import terascale
+    from terascale.parallel import Topology
+    from terascale.pipe import PipelineModule
+
+    topo = Topology(pp=2)
+    dp, dp_rank = topo.size("dp"), topo.rank("dp")
+    torch.manual_seed(100 + torch.distributed.get_rank())
+    model = PipelineModule(_pipe_specs(2), topology=topo, loss_fn=torch.nn.functional.mse_loss, seed_layers=True,
+                           base_seed=PIPE_SEED, partition_method="uniform")  # fmt: skip
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": PIPE_GAS, "steps_per_print": 1000,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": stage}}  # fmt: skip
+    engine, *_ = terascale.initialize(model=model, config=config)
+    losses = [float(engine.train_batch(iter([mb[dp_rank] for mb in step]))) for step in _pipe_data(dp)]
+    return {"losses": losses, "state": engine.full_state_dict()}
+
+
+def test_experts_inside_a_pipeline_stage():
+    # 4 ranks: 2 stages x 2 replicas; the MoE block's stage splits its 4 experts over its 2 replicas.
+    ref = _pipe_reference(2)
+    for got in run_ranks(_pipe_rank, 4, 1, timeout=300):
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+        assert set(got["state"]) == set(ref["state"])
+        for k, v in got["state"].items():
+            torch.testing.assert_close(v, ref["state"][k], rtol=0, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")

@@ -42,7 +42,7 @@ def _batches(world: int):
     return [[torch.randint(0, VOCAB, (2, SEQ), generator=g) for _ in range(world)] for _ in range(STEPS)]
 
 
-def _hf_rank(name: str, stage: int, spelling: str) -> None:
+def _hf_rank(name: str, stage: int, spelling: str, extra: dict | None = None) -> None:
     import torch
     import torch.distributed as dist
 
@@ -63,11 +63,13 @@ def _hf_rank(name: str, stage: int, spelling: str) -> None:
         (sum(losses) / world).backward()
         opt.step()
         ref_losses.append([loss.item() for loss in losses])
-    zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
+    zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {}),
+            **(extra or {}).get("zero_optimization", {})}
     section = {"moe": {"ep_size": 2}} if spelling == "moe" else {"expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": name}}
     config = {
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6, "weight_decay": 0.0}},
+        **{k: v for k, v in (extra or {}).items() if k != "zero_optimization"},
         "zero_optimization": zero, **section,
     }  # fmt: skip
     model = _model(name)
@@ -94,6 +96,16 @@ def test_mixtral_experts_split_over_two_ranks_match_one_process(stage):
 @pytest.mark.parametrize("name", ["qwen2_moe", "deepseek_v3"])
 def test_shared_expert_models_match_one_process(name):
     run_ranks(_hf_rank, 2, name, 2, "expert_parallel", timeout=300)
+
+
+def test_experts_compose_with_offload_and_activation_checkpointing(tmp_path):
+    # ZeRO-3 with parameters and optimizer state on the host and every decoder layer
+    # recomputed in backward (its all-to-alls too); then ZeRO-2 with the optimizer on NVMe.
+    host = {"zero_optimization": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+            "activation_checkpointing": {"policy": "blocks"}}  # fmt: skip
+    run_ranks(_hf_rank, 2, "mixtral", 3, "moe", host, timeout=300)
+    nvme = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    run_ranks(_hf_rank, 2, "mixtral", 2, "moe", nvme, timeout=300)
 
 
 def _refused_rank(case: str) -> str:

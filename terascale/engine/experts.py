@@ -11,11 +11,13 @@ expert-data-parallel group.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
+import torch.distributed as dist
 from torch import nn
 
 from terascale.comm import DistributedContext, broadcast_tensors
+from terascale.comm import ops as comm_ops
 from terascale.config.parallel import ExpertParallelConfig
 from terascale.moe.experts import Experts, expert_group_name, is_expert_param
 from terascale.moe.hf import ExpertParallelExperts, split_hf_experts
@@ -57,6 +59,12 @@ def setup_experts(
     layers = [m for m in module.modules() if isinstance(m, ExpertParallel)]
     ep_size_of = {id(p): p.ep_size for p in module.parameters() if is_expert_param(p)}
     sizes = sorted({m.ep_size for m in layers} | set(ep_size_of.values()))
+    if dist_ctx.pp_world_size > 1:
+        # Stages hold different layers, and building groups is collective over the world:
+        # every stage builds those of every stage's experts.
+        everyone: list[Any] = [None] * dist.get_world_size()
+        comm_ops.all_gather_object(everyone, sizes)
+        sizes = sorted({n for s in everyone for n in s})
     if not sizes:
         return ExpertLayout(), replaced
     _check_model_parallel(dist_ctx, sizes)
@@ -76,11 +84,11 @@ def setup_experts(
 
 
 def _check_model_parallel(dist_ctx: DistributedContext, sizes: Sequence[int]) -> None:
-    if dist_ctx.mp_world_size > 1 or dist_ctx.pp_world_size > 1:
+    if dist_ctx.mp_world_size > 1:
         raise ValueError(
-            f"expert parallelism ({', '.join(map(expert_group_name, sizes))}) runs over the data-parallel ranks; "
-            f"this model also has tensor-parallel size {dist_ctx.mp_world_size} and {dist_ctx.pp_world_size} "
-            "pipeline stage(s), which terascale does not compose with experts yet"
+            f"expert parallelism ({', '.join(map(expert_group_name, sizes))}) with tensor-parallel size "
+            f"{dist_ctx.mp_world_size}: terascale does not split experts over tensor-parallel ranks yet (DeepSpeed's "
+            "expert tensor parallelism); use expert and data parallelism, with pipeline stages if needed"
         )
 
 
