@@ -141,3 +141,12 @@ def test_grouped_linear_is_one_linear_per_expert(k_dim):
     torch.testing.assert_close(x.grad, x2.grad)
     torch.testing.assert_close(w.grad, w2.grad)
     assert w.grad[1].abs().sum() == 0
+
+
+def test_z_loss_coef_adds_the_router_z_loss_to_l_aux():
+    x = torch.randn(10, 8)
+    _, plain, _ = _moe(k=2, drop_tokens=False, top2_2nd_expert_sampling=False)(x)
+    moe = _moe(k=2, drop_tokens=False, top2_2nd_expert_sampling=False, z_loss_coef=0.5)
+    _, with_z, _ = moe(x)
+    logits = x @ moe.deepspeed_moe.gate.wg.weight.t()
+    torch.testing.assert_close(with_z - plain, 0.5 * torch.logsumexp(logits, dim=1).square().mean())

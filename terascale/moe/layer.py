@@ -78,12 +78,17 @@ class TopKGate(nn.Module):
 class MOELayer(nn.Module):
     """Gate, local experts and the exchange between them (DeepSpeed's ``deepspeed_moe``).
 
-    After a forward, ``l_aux`` holds the load-balancing loss and ``exp_counts`` the
-    routes per expert ([E], before any drop) of this rank's tokens."""
+    After a forward, ``l_aux`` holds the load-balancing loss (plus ``z_loss_coef`` times
+    the router z-loss) and ``exp_counts`` the routes per expert ([E], before any drop) of
+    this rank's tokens."""
 
-    def __init__(self, gate: TopKGate, experts: Experts, ep_group_name: str, ep_size: int, num_local_experts: int) -> None:
+    def __init__(
+        self, gate: TopKGate, experts: Experts, ep_group_name: str, ep_size: int, num_local_experts: int,
+        z_loss_coef: float = 0.0,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.gate = gate
+        self.z_loss_coef = z_loss_coef
         self.experts = experts
         self.ep_group_name = ep_group_name
         self.ep_size = ep_size
@@ -110,6 +115,8 @@ class MOELayer(nn.Module):
         rows, per_expert, record = dispatch(tokens, routes.expert, num_experts, self.ep_group, routes.kept)
         out = combine(run_experts(rows, per_expert, list(self.experts)), routes.weight, record)
         self.l_aux, self.exp_counts = routes.aux_loss, routes.counts.detach()
+        if self.z_loss_coef:
+            self.l_aux = self.l_aux + self.z_loss_coef * routes.z_loss
         return out.reshape(x.shape)
 
 
@@ -123,6 +130,8 @@ class MoE(nn.Module):
     its capacity of tokens (see [Note: routing]). Forward returns ``(output, l_aux,
     exp_counts)``. ``use_tutel`` is accepted and has no effect (the exchange is already
     sparse); ``enable_expert_tensor_parallelism`` is kept for the engine to check.
+    ``z_loss_coef`` (beyond DeepSpeed) adds that multiple of the router z-loss (ST-MoE's
+    ``mean(logsumexp(logits)^2)``, which keeps router logits small) to ``l_aux``.
     """
 
     def __init__(
@@ -142,6 +151,8 @@ class MoE(nn.Module):
         use_tutel: bool = False,
         enable_expert_tensor_parallelism: bool = False,
         top2_2nd_expert_sampling: bool = True,
+        *,
+        z_loss_coef: float = 0.0,
     ) -> None:
         super().__init__()
         if ep_size < 1 or num_experts % ep_size:
@@ -160,7 +171,7 @@ class MoE(nn.Module):
             noisy_gate_policy, drop_tokens, use_rts, None, top2_2nd_expert_sampling,
         )  # fmt: skip
         experts = Experts(expert, self.num_local_experts, self.expert_group_name)
-        self.deepspeed_moe = MOELayer(gate, experts, self.expert_group_name, ep_size, self.num_local_experts)
+        self.deepspeed_moe = MOELayer(gate, experts, self.expert_group_name, ep_size, self.num_local_experts, z_loss_coef)
         if use_residual:
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)
