@@ -85,14 +85,22 @@ def _config(stage: int, world: int) -> dict:
     }  # fmt: skip
 
 
-def _reference_run(world: int, moe: dict):
+LAMB = {"type": "Lamb", "params": {"lr": 0.02, "weight_decay": 0.01}}
+
+
+def _reference_run(world: int, moe: dict, lamb: bool = False):
     """Losses and final state of the reference trained on every rank's batches at once:
     each window's loss is the mean over ranks of each rank's mean micro-batch loss."""
     import torch
 
+    from terascale.optim import Lamb
+
     net = _reference(**moe)
     start = {k: v.clone() for k, v in net.state_dict().items()}
-    opt = torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9)
+    if lamb:
+        opt = Lamb(net.parameters(), **LAMB["params"])
+    else:
+        opt = torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9)
     losses = []
     data = _batches(world)
     for step in range(STEPS):
@@ -108,7 +116,7 @@ def _reference_run(world: int, moe: dict):
     return start, losses, {k: v.clone() for k, v in net.state_dict().items()}
 
 
-def _moe_rank(stage: int, ep_size: int, moe: dict) -> None:
+def _moe_rank(stage: int, ep_size: int, moe: dict, lamb: bool = False) -> None:
     import torch
     import torch.distributed as dist
 
@@ -117,13 +125,16 @@ def _moe_rank(stage: int, ep_size: int, moe: dict) -> None:
 
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    start, ref_losses, ref_final = _reference_run(world, moe)
+    start, ref_losses, ref_final = _reference_run(world, moe, lamb)
     local = E // ep_size
     ep_rank = rank % ep_size  # DeepSpeed's layout: ep groups are consecutive ranks
     torch.manual_seed(1000 + rank)  # different on every rank: initialize must broadcast
     net = _net(ep_size, **moe)
     net.load_state_dict(_local_state(start, ep_rank, local))
-    engine, *_ = terascale.initialize(model=net, config=_config(stage, world))
+    config = _config(stage, world)
+    if lamb:
+        config["optimizer"] = LAMB
+    engine, *_ = terascale.initialize(model=net, config=config)
     data = _batches(world)
     for step in range(STEPS):
         for micro in range(MICRO):
@@ -149,6 +160,13 @@ def test_dropless_top2_at_ep2_matches_one_process(stage):
 def test_ep2_inside_four_data_parallel_ranks(stage):
     # ep groups [0, 1], [2, 3]; each expert replicated on two ranks (expert-data-parallel).
     run_ranks(_moe_rank, 4, stage, 2, {"k": 2, "drop_tokens": False, "top2_2nd_expert_sampling": False}, timeout=300)
+
+
+def test_lamb_trust_ratios_take_each_experts_whole_norm():
+    # Lamb's per-parameter norms: a dense parameter's parts are summed over the data-parallel
+    # ranks, an expert's over its expert-data-parallel ranks only (the others hold other experts).
+    run_ranks(_moe_rank, 4, 2, 2, {"k": 2, "drop_tokens": False, "top2_2nd_expert_sampling": False}, True,
+              timeout=300)  # fmt: skip
 
 
 def test_top1_with_capacity_and_residual_at_ep2():
