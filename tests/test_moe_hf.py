@@ -88,7 +88,7 @@ def _hf_rank(name: str, stage: int, spelling: str, extra: dict | None = None) ->
         torch.testing.assert_close(got[k], v, rtol=1e-4, atol=2e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 2, 3])
 def test_mixtral_experts_split_over_two_ranks_match_one_process(stage):
     run_ranks(_hf_rank, 2, "mixtral", stage, "moe", timeout=300)
 
@@ -108,7 +108,11 @@ def test_experts_compose_with_offload_and_activation_checkpointing(tmp_path):
     run_ranks(_hf_rank, 2, "mixtral", 2, "moe", nvme, timeout=300)
 
 
-def _refused_rank(case: str) -> str:
+def _refused_rank(cases: list[str]) -> dict[str, str]:
+    return {case: _refused(case) for case in cases}  # every rank refuses at the same point: in step for the next
+
+
+def _refused(case: str) -> str:
     import terascale
 
     model = _model("mixtral")
@@ -128,7 +132,7 @@ def _refused_rank(case: str) -> str:
 
 
 def test_expert_parallel_config_that_cannot_apply_is_refused():
-    out = {case: run_ranks(_refused_rank, 2, case)[0] for case in ("mismatch", "dense", "odd")}
+    out = run_ranks(_refused_rank, 2, ["mismatch", "dense", "odd"])[0]
     assert "preset_model is 'qwen3_moe' but the model is a 'mixtral' model" in out["mismatch"]
     assert "no Hugging Face fused-experts module" in out["dense"]
     assert "ep_size 3 does not divide the data-parallel world of 2 ranks" in out["odd"]
@@ -170,3 +174,33 @@ def test_fused_experts_checkpoint_loads_without_expert_parallelism(tmp_path):
         for key in ("state", "next"):  # the saved model, and one more step from its optimizer state
             for k, v in a[key].items():
                 torch.testing.assert_close(b[key][k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _save_pretrained_rank(out: str) -> dict:
+    import torch.distributed as dist
+
+    import terascale
+    from terascale.comm import init_distributed
+
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "moe": {"ep_size": 2}}  # fmt: skip
+    engine, *_ = terascale.initialize(model=_model("mixtral"), config=config)
+    batch = _batches(world)[0]
+    engine.backward(engine(input_ids=batch[rank], labels=batch[rank]).loss)
+    engine.step()
+    engine.save_pretrained(out)
+    return engine.full_state_dict()
+
+
+def test_save_pretrained_writes_the_whole_model_that_from_pretrained_loads(tmp_path):
+    import torch
+    import transformers
+
+    state = run_ranks(_save_pretrained_rank, 2, str(tmp_path))[0]
+    loaded = transformers.MixtralForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32)
+    got = loaded.state_dict()
+    assert loaded.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4  # every expert, unsplit
+    for k, v in state.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")

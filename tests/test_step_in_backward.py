@@ -10,6 +10,8 @@ import pytest
 from distributed import run_ranks
 
 STEPS = 3
+# Set in a rank with a slow model: waits for the engine's queued reads (see Slow).
+_SETTLE: list = []
 
 
 def _model(frozen: bool = False, slow: bool = False):
@@ -20,7 +22,8 @@ def _model(frozen: bool = False, slow: bool = False):
     from torch import nn
 
     class Slow(torch.autograd.Function):
-        """The identity, whose backward takes 100 ms (the disk's reads then keep up)."""
+        """The identity, whose backward takes 100 ms and then waits for the I/O queued so
+        far: the disk's reads keep up, however loaded the machine is."""
 
         @staticmethod
         def forward(ctx, h):
@@ -29,6 +32,8 @@ def _model(frozen: bool = False, slow: bool = False):
         @staticmethod
         def backward(ctx, grad):
             time.sleep(0.1)
+            for settle in _SETTLE:
+                settle()
             return grad
 
     class Net(nn.Module):
@@ -87,6 +92,8 @@ def _train(path: str, case: dict, mode: object) -> dict:
     engine, *_ = terascale.initialize(model=_model(case.get("frozen", False), case.get("slow", False)), config=config,
                                       wrap_policy=WrapPolicy(module_classes=(nn.Linear,)))  # fmt: skip
     state = engine.model_state
+    if case.get("slow") and state.swap_io is not None:
+        _SETTLE[:] = [state.swap_io.synchronize]
     gas = case.get("gas", 1)
     losses, stepped, grad_written = [], [], []
     for s in range(STEPS):
