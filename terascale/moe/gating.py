@@ -120,31 +120,33 @@ def route(
     else:
         choice = probs.topk(k, dim=1).indices
     weight = probs.gather(1, choice)
-    one_hot = F.one_hot(choice, e)  # [S, k, E]
+    valid = torch.ones_like(choice, dtype=torch.bool)
     if used_token is not None:
         if k != 1:
             raise ValueError("used_token is only supported with k=1 (as in DeepSpeed's top-1 gate)")
-        one_hot = one_hot * used_token.to(one_hot.dtype).view(s, 1, 1)
-    counts = one_hot.sum(dim=(0, 1))
+        valid = (used_token.view(s, 1) != 0).expand(s, k)
+    # Per-expert counts by bincount, never an [S, k, E] one-hot (128 MiB at 8k tokens,
+    # top-8 of 256 experts).
+    counts = torch.bincount(choice[valid], minlength=e)
     # Load balance: mean probability per expert times the fraction of tokens sent to it.
     me = probs.mean(dim=0)
     if k <= 2:
-        aux_loss = e * (me * one_hot[:, 0].float().mean(dim=0)).sum()
+        first_share = torch.bincount(choice[:, 0][valid[:, 0]], minlength=e).float() / s
+        aux_loss = e * (me * first_share).sum()
     else:
-        aux_loss = e / k * (me * one_hot.sum(dim=1).float().mean(dim=0)).sum()
+        aux_loss = e / k * (me * counts.float() / s).sum()
     if capacity_factor is None:
-        slot = _positions(one_hot.flatten(0, 1)).view(s, k)
-        if used_token is not None:
-            slot = slot.masked_fill(used_token.view(s, 1) == 0, -1)
+        slot = _rank_within_expert(choice.reshape(-1), valid.reshape(-1), e).view(s, k)
         cap = None
     else:
         cap = capacity(s, e, k, capacity_factor, min_capacity)
         if k == 1:
-            slot = _top1_slots(one_hot[:, 0], cap, use_rts, generator).view(s, 1)
-        elif k == 2:
-            slot = _positions(one_hot.transpose(0, 1).flatten(0, 1)).view(k, s).t()
-        else:
-            slot = _topk_slots(one_hot, weight, cap)
+            priority = torch.rand(s, generator=generator, device=logits.device) if use_rts else None
+            slot = _rank_within_expert(choice[:, 0], valid[:, 0], e, priority).view(s, 1)
+        elif k == 2:  # first choices fill each expert before second choices
+            slot = _rank_within_expert(choice.t().reshape(-1), valid.t().reshape(-1), e).view(k, s).t()
+        else:  # per expert, the routes of highest probability
+            slot = _rank_within_expert(choice.reshape(-1), valid.reshape(-1), e, weight.reshape(-1)).view(s, k)
         slot = slot.masked_fill(slot >= cap, -1)
     kept = slot >= 0
     weight = weight * kept
@@ -160,33 +162,18 @@ def _gumbel(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return -torch.log(-torch.log(u.clamp(tiny, 1.0 - 1e-7)))
 
 
-def _positions(one_hot: torch.Tensor) -> torch.Tensor:
-    """[R, E] one-hot rows -> [R] each row's index among the rows of its expert (in row
-    order), -1 for an all-zero row."""
-    pos = one_hot.cumsum(dim=0) - 1
-    return torch.where(one_hot.bool(), pos, -1).amax(dim=1)
-
-
-def _top1_slots(mask: torch.Tensor, cap: int, use_rts: bool, generator: torch.Generator | None) -> torch.Tensor:
-    """[S, E] one-hot -> [S] slot: per expert the ``cap`` tokens of highest random priority
-    (``use_rts``) or the first ``cap`` in token order keep slots 0..; the rest get ``cap``."""
-    if not use_rts:
-        return _positions(mask)
-    priority = torch.rand(mask.shape, generator=generator, device=mask.device) * mask
-    # Rank of each token among its expert's tokens by descending priority.
-    order = priority.argsort(dim=0, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(0, order, torch.arange(mask.shape[0], device=mask.device)
-                                             .unsqueeze(1).expand_as(order))  # fmt: skip
-    return torch.where(mask.bool(), rank, -1).amax(dim=1)
-
-
-def _topk_slots(one_hot: torch.Tensor, weight: torch.Tensor, cap: int) -> torch.Tensor:
-    """[S, k, E] one-hot, [S, k] probabilities -> [S, k] slot: per expert its routes ranked
-    by descending probability (ties in route order)."""
-    s, k, e = one_hot.shape
-    flat = one_hot.flatten(0, 1)  # [R, E]
-    score = torch.where(flat.bool(), weight.reshape(-1, 1), -1.0)
-    order = score.argsort(dim=0, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(0, order, torch.arange(s * k, device=flat.device)
-                                             .unsqueeze(1).expand_as(order))  # fmt: skip
-    return torch.where(flat.bool(), rank, -1).amax(dim=1).view(s, k)
+def _rank_within_expert(
+    expert: torch.Tensor, valid: torch.Tensor, num_experts: int, score: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[R] routes' experts -> [R] each valid route's place among the valid routes of its
+    expert: by descending ``score`` (ties in route order), or in route order without one;
+    -1 for a route that is not valid. One sort, no [R, E] mask."""
+    index = torch.arange(expert.numel(), device=expert.device)
+    key = torch.where(valid, expert, num_experts)  # routes that are not valid sort last
+    order = index if score is None else torch.argsort(score, descending=True, stable=True)
+    order = order[torch.argsort(key[order], stable=True)]
+    sizes = torch.bincount(key, minlength=num_experts + 1)
+    starts = torch.cumsum(sizes, 0) - sizes
+    rank = torch.empty_like(index)
+    rank[order] = index - starts[key[order]]
+    return torch.where(valid, rank, -1)
