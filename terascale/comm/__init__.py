@@ -22,6 +22,7 @@ _OWN = {
     "ReducePolicy": "buckets",
     "all_gather_flat": "collectives",
     "all_reduce_flag": "collectives",
+    "all_to_all_rows": "collectives",
     "broadcast_tensors": "collectives",
     "reduce_scatter_flat": "collectives",
     "init_distributed": "api",

@@ -127,6 +127,31 @@ def _finish(work: _PointToPointWork, async_op: bool) -> _PointToPointWork | None
     return None
 
 
+class _AllToAllRows(torch.autograd.Function):
+    """Uneven all-to-all of rows; backward sends the gradients back the same way reversed."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        ops.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        ops.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup) -> torch.Tensor:
+    """Send ``in_splits[p]`` consecutive rows of ``x`` to rank ``p`` of ``group`` and
+    receive ``out_splits[p]`` rows from each, concatenated in rank order; differentiable
+    (the gradient of the result goes back to the rows' owners). Collective over ``group``."""
+    return _AllToAllRows.apply(x, list(out_splits), list(in_splits), group)
+
+
 def all_gather_flat(
     output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool = False
 ) -> dist.Work | _PointToPointWork | None:

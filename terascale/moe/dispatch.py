@@ -33,24 +33,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from terascale.comm import ops
-
-
-class _AllToAll(torch.autograd.Function):
-    """Uneven all-to-all of rows over ``group``; backward sends the gradients back."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        ops.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        out_splits, in_splits = ctx.splits
-        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        ops.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None
+from terascale.comm.collectives import all_to_all_rows
 
 
 @dataclass
@@ -97,7 +80,7 @@ def dispatch(
     incoming = incoming.view(size, local)
     send = counts.view(size, local).sum(1).tolist()
     recv = incoming.sum(1).tolist()
-    received = _AllToAll.apply(rows, recv, send, group)
+    received = all_to_all_rows(rows, recv, send, group)
     # Rows arrive (source, expert)-major; the experts want (expert, source)-major.
     starts = torch.cumsum(incoming.reshape(-1), 0) - incoming.reshape(-1)
     sizes_t, starts_t = incoming.t().reshape(-1), starts.view(size, local).t().reshape(-1)
@@ -128,7 +111,7 @@ def combine(y: torch.Tensor, weight: torch.Tensor, record: Dispatched) -> torch.
     if record.group is not None:
         back = torch.empty_like(record.regroup)
         back[record.regroup] = torch.arange(record.regroup.numel(), device=record.regroup.device)
-        y = _AllToAll.apply(y.index_select(0, back), record.send_splits, record.recv_splits, record.group)
+        y = all_to_all_rows(y.index_select(0, back), record.send_splits, record.recv_splits, record.group)
     weight = weight.float().reshape(-1).index_select(0, record.order)
     contrib = y.float() * weight.unsqueeze(1)
     out = torch.zeros((record.tokens, y.shape[1]), dtype=torch.float32, device=y.device)
