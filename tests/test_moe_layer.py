@@ -150,3 +150,20 @@ def test_z_loss_coef_adds_the_router_z_loss_to_l_aux():
     _, with_z, _ = moe(x)
     logits = x @ moe.deepspeed_moe.gate.wg.weight.t()
     torch.testing.assert_close(with_z - plain, 0.5 * torch.logsumexp(logits, dim=1).square().mean())
+
+
+def test_expert_parallel_config_spellings():
+    from terascale.config import Config, ConfigError
+
+    base = {"train_batch_size": 2}
+    short = Config.load({**base, "moe": {"ep_size": 4}}).expert_parallel
+    assert short.active and short.autoep_size == 4
+    # DeepSpeed's AutoEP section; its GPU kernel knobs are read loosely, as DeepSpeed reads them.
+    ds = Config.load({**base, "expert_parallel": {"enabled": True, "autoep_size": 2, "comm_backend": "comm"}})
+    assert ds.expert_parallel.active and ds.expert_parallel.autoep_size == 2
+    assert not Config.load({**base, "expert_parallel": {"enabled": False, "autoep_size": 2}}).expert_parallel.active
+    assert not Config.load(base).expert_parallel.active
+    with pytest.raises(ConfigError, match="moe.ep_sise: unknown key; did you mean 'ep_size'"):
+        Config.load({**base, "moe": {"ep_sise": 2}})
+    with pytest.raises(ConfigError, match="load_balance_coeff"):
+        Config.load({**base, "expert_parallel": {"load_balance_coeff": 0.01}})
