@@ -84,6 +84,8 @@ def test_split_into_moe_groups_follows_deepspeed():
     cut = split_params_into_different_moe_groups_for_optimizer({"params": params, "name": "p"}, max_group_size=200)
     assert [len(g["params"]) for g in cut[1:]] == [2, 2, 2, 2]
     assert configure_moe_param_groups(params)[0]["name"] == "dense-params"
+    from_generator = split_params_into_different_moe_groups_for_optimizer({"params": moe.parameters(), "name": "p"})
+    assert [len(g["params"]) for g in from_generator] == [1, 8]
     with pytest.raises(ValueError, match="needs a 'name'"):
         split_params_into_different_moe_groups_for_optimizer([{"params": params}])
 

@@ -20,10 +20,10 @@ from terascale.comm import DistributedContext, broadcast_tensors
 from terascale.comm import ops as comm_ops
 from terascale.config.parallel import ExpertParallelConfig
 from terascale.moe.experts import Experts, expert_group_name, is_expert_param
-from terascale.moe.hf import ExpertParallelExperts, split_hf_experts
-from terascale.parallel.slicing import TensorSlice
 from terascale.moe.groups import ExpertGroups, ExpertLayout, expert_groups
+from terascale.moe.hf import ExpertParallelExperts, split_hf_experts
 from terascale.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from terascale.parallel.slicing import TensorSlice
 
 
 @runtime_checkable

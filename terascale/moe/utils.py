@@ -74,10 +74,12 @@ def split_params_into_different_moe_groups_for_optimizer(
         groups = list(param_groups)
     else:
         raise ValueError(f"param_groups must be a dict or a list or tuple of dicts, got {type(param_groups).__name__}")
+    for g in groups:
+        g["params"] = list(g["params"])  # a generator (model.parameters()) is read more than once
     names = sorted({p.group_name for g in groups for p in g["params"] if isinstance(p, ExpertParameter)})
     added: list[dict[str, Any]] = []
     for g in groups:
-        params = list(g["params"])
+        params = g["params"]
         if names and "name" not in g:
             raise ValueError(
                 "split_params_into_different_moe_groups_for_optimizer: every param group needs a 'name' "
