@@ -1,0 +1,90 @@
+"""The all-to-alls of Ulysses attention: sequence slices in, whole sequences of some heads out.
+
+[Note: the Ulysses exchange]
+The ``P`` ranks of a sequence-parallel group hold consecutive slices of the same sequences:
+rank ``r`` holds positions ``[r * s, (r + 1) * s)`` of every head. Before attention one
+all-to-all gives rank ``r`` heads ``[r * H / P, (r + 1) * H / P)`` at every position
+(:func:`seq_to_heads`); after it the inverse exchange returns each rank its positions of
+every head (:func:`heads_to_seq`). Each exchange moves ``(P - 1) / P`` of the tensor, and
+the pair is its own inverse: the backward of one is the other, so gradients travel the
+same way back. Tensors are ``[batch, heads, seq, head_dim]`` (the layout Hugging Face's
+attention functions take); other layouts name their dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from terascale.comm import ops
+
+
+def _to_heads(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """[b, H, s, d] (this rank's positions of every head) -> [b, H/P, P*s, d]."""
+    p = dist.get_world_size(group)
+    b, h, s, d = x.shape
+    send = x.reshape(b, p, h // p, s, d).permute(1, 0, 2, 3, 4).contiguous()  # [P, b, H/P, s, d]: chunk r to rank r
+    recv = torch.empty_like(send)  # [P, b, H/P, s, d]: rank r's positions of my heads
+    ops.all_to_all_single(recv, send, group=group)
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // p, p * s, d)
+
+
+def _to_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """[b, H/P, P*s, d] (every position of this rank's heads) -> [b, H, s, d]."""
+    p = dist.get_world_size(group)
+    b, hp, ps, d = x.shape
+    s = ps // p
+    send = x.reshape(b, hp, p, s, d).permute(2, 0, 1, 3, 4).contiguous()  # [P, b, H/P, s, d]: rank r's positions
+    recv = torch.empty_like(send)  # [P, b, H/P, s, d]: rank r's heads at my positions
+    ops.all_to_all_single(recv, send, group=group)
+    return recv.permute(1, 0, 2, 3, 4).reshape(b, p * hp, s, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _to_seq(grad, ctx.group), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _to_heads(grad, ctx.group), None
+
+
+def _canonical(x: torch.Tensor, head_dim: int, seq_dim: int) -> torch.Tensor:
+    if x.dim() != 4:
+        raise ValueError(f"the Ulysses exchange takes 4-D [batch, heads, seq, head_dim] tensors, got shape {tuple(x.shape)}")
+    return x.movedim((head_dim, seq_dim), (1, 2))
+
+
+def seq_to_heads(x: torch.Tensor, group: ProcessGroup, *, head_dim: int = 1, seq_dim: int = 2) -> torch.Tensor:
+    """This rank's sequence slice of every head -> every position of its ``H / P`` heads
+    (see [Note: the Ulysses exchange]); differentiable, collective over ``group``. The
+    result keeps ``x``'s layout. The head count must divide by the group's size."""
+    p = dist.get_world_size(group)
+    y = _canonical(x, head_dim, seq_dim)
+    if y.shape[1] % p:
+        raise ValueError(f"{y.shape[1]} heads do not split over a sequence-parallel group of {p} ranks")
+    return _SeqToHeads.apply(y, group).movedim((1, 2), (head_dim, seq_dim))
+
+
+def heads_to_seq(x: torch.Tensor, group: ProcessGroup, *, head_dim: int = 1, seq_dim: int = 2) -> torch.Tensor:
+    """Every position of this rank's heads -> its sequence slice of every head (the inverse
+    of :func:`seq_to_heads`); differentiable, collective over ``group``."""
+    p = dist.get_world_size(group)
+    y = _canonical(x, head_dim, seq_dim)
+    if y.shape[2] % p:
+        raise ValueError(f"a sequence of {y.shape[2]} positions does not split over {p} ranks")
+    return _HeadsToSeq.apply(y, group).movedim((1, 2), (head_dim, seq_dim))
