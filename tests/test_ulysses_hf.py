@@ -1,0 +1,75 @@
+"""Hugging Face models with Ulysses attention over two ranks, each holding half of every
+sequence, against the unchanged model on whole sequences: the loss over all tokens and every
+parameter's gradient (summed over the sequence-parallel ranks), with and without GQA, SDPA
+and eager attention."""
+
+from __future__ import annotations
+
+import pytest
+
+from distributed import run_ranks
+
+VOCAB, SEQ = 64, 16
+MODELS = {
+    "llama-gqa": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "qwen2-mqa": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=1)),
+    "mistral-mha": ("MistralConfig", "MistralForCausalLM", dict(num_attention_heads=4, num_key_value_heads=4,
+                                                               sliding_window=None)),
+}  # fmt: skip
+
+
+def _model(name: str, impl: str):
+    import torch
+    import transformers
+
+    config_cls, model_cls, kw = MODELS[name]
+    config = getattr(transformers, config_cls)(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                               num_hidden_layers=2, max_position_embeddings=64, **kw)  # fmt: skip
+    config._attn_implementation = impl
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(config).float()
+
+
+def _rank(name: str, impl: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from terascale.comm import init_distributed
+    from terascale.parallel.sequence.hf import use_ulysses_attention
+
+    init_distributed()
+    rank, sp = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    labels = ids.clone()
+    labels[0, 3:6] = -100  # some ignored targets, unevenly over the slices
+    shifted = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)  # next-token targets, whole sequence
+    count = int((shifted != -100).sum())
+    # Whole sequences, one process.
+    ref = _model(name, impl)
+    ref_loss = ref(input_ids=ids, labels=labels).loss
+    ref_loss.backward()
+    # This rank's half of every sequence, its global positions, its share of the loss.
+    model = _model(name, impl)
+    use_ulysses_attention(model, dist.group.WORLD)
+    s = SEQ // sp
+    mine = slice(rank * s, (rank + 1) * s)
+    positions = torch.arange(SEQ).expand(2, SEQ)[:, mine]
+    logits = model(input_ids=ids[:, mine], position_ids=positions).logits
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), shifted[:, mine].reshape(-1), ignore_index=-100,
+                           reduction="sum") / count  # fmt: skip
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    torch.testing.assert_close(total, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        torch.testing.assert_close(grad, q.grad, rtol=1e-4, atol=1e-6, msg=f"{name} {impl} {n}")
+    assert ref.config._attn_implementation == impl  # the reference kept its own attention
+
+
+@pytest.mark.parametrize("name, impl", [("llama-gqa", "sdpa"), ("qwen2-mqa", "eager"), ("mistral-mha", "sdpa")])
+def test_hf_model_with_ulysses_attention_equals_whole_sequences(name, impl):
+    run_ranks(_rank, 2, name, impl)
