@@ -33,9 +33,9 @@ def _model(name: str, impl: str):
 def _rank(name: str, impl: str) -> None:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     from terascale.comm import init_distributed
+    from terascale.parallel.sequence.data import sequence_loss, slice_batch
     from terascale.parallel.sequence.hf import use_ulysses_attention
 
     init_distributed()
@@ -44,8 +44,6 @@ def _rank(name: str, impl: str) -> None:
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
     labels = ids.clone()
     labels[0, 3:6] = -100  # some ignored targets, unevenly over the slices
-    shifted = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)  # next-token targets, whole sequence
-    count = int((shifted != -100).sum())
     # Whole sequences, one process.
     ref = _model(name, impl)
     ref_loss = ref(input_ids=ids, labels=labels).loss
@@ -53,16 +51,12 @@ def _rank(name: str, impl: str) -> None:
     # This rank's half of every sequence, its global positions, its share of the loss.
     model = _model(name, impl)
     use_ulysses_attention(model, dist.group.WORLD)
-    s = SEQ // sp
-    mine = slice(rank * s, (rank + 1) * s)
-    positions = torch.arange(SEQ).expand(2, SEQ)[:, mine]
-    logits = model(input_ids=ids[:, mine], position_ids=positions).logits
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), shifted[:, mine].reshape(-1), ignore_index=-100,
-                           reduction="sum") / count  # fmt: skip
+    piece = slice_batch({"input_ids": ids, "labels": labels}, rank, sp)
+    assert piece.num_targets == 2 * (SEQ - 1) - 3
+    out = model(input_ids=piece.inputs["input_ids"], position_ids=piece.inputs["position_ids"])
+    loss = sequence_loss(out.logits, piece.inputs["shift_labels"], piece.num_targets, dist.group.WORLD)
     loss.backward()
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    torch.testing.assert_close(total, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6)  # the whole mean, every rank
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         grad = p.grad.clone()
         dist.all_reduce(grad)
@@ -73,3 +67,19 @@ def _rank(name: str, impl: str) -> None:
 @pytest.mark.parametrize("name, impl", [("llama-gqa", "sdpa"), ("qwen2-mqa", "eager"), ("mistral-mha", "sdpa")])
 def test_hf_model_with_ulysses_attention_equals_whole_sequences(name, impl):
     run_ranks(_rank, 2, name, impl)
+
+
+def test_a_batch_that_cannot_be_cut_is_refused():
+    import torch
+
+    from terascale.parallel.sequence.data import slice_batch
+
+    ids = torch.zeros(2, 10, dtype=torch.long)
+    with pytest.raises(ValueError, match="sequences of 10 tokens do not split over 4 sequence-parallel ranks"):
+        slice_batch({"input_ids": ids}, 0, 4)
+    mask = torch.ones(2, 10)
+    mask[0, 8:] = 0
+    with pytest.raises(ValueError, match="padded batches"):
+        slice_batch({"input_ids": ids, "attention_mask": mask}, 0, 2)
+    piece = slice_batch({"input_ids": ids, "attention_mask": torch.ones(2, 10)}, 1, 2)
+    assert "attention_mask" not in piece.inputs and piece.inputs["position_ids"][0].tolist() == [5, 6, 7, 8, 9]
