@@ -42,6 +42,17 @@ def _rank() -> None:
     # [b, s, H, d] layout named by its dims.
     other = seq_to_heads(mine.transpose(1, 2), group, head_dim=2, seq_dim=1)
     torch.testing.assert_close(other, heads.transpose(1, 2), rtol=0, atol=0)
+    # DeepSpeed's wrapper on Megatron's [seq, batch, heads, head_dim] layout.
+    from terascale.parallel.sequence.attention import DistributedAttention
+
+    def sbhd(q, k, v):  # whole-sequence attention in [s, b, h, d]
+        return _attend(*(t.permute(1, 2, 0, 3) for t in (q, k, v))).permute(2, 0, 1, 3)
+
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(sp * s, b, n, d, generator=g) for n in (8, 2, 2))
+    wrapped = DistributedAttention(sbhd, group)
+    got = wrapped(*(t[rank * s : (rank + 1) * s] for t in (q, k, v)), batch_dim_idx=1)
+    torch.testing.assert_close(got, sbhd(q, k, v)[rank * s : (rank + 1) * s], rtol=1e-5, atol=1e-6)
     for h, kv in CASES[sp]:
         g = torch.Generator().manual_seed(h * 100 + kv)
         q, k, v = (torch.randn(b, n, sp * s, d, generator=g) for n in (h, kv, kv))

@@ -64,3 +64,45 @@ def ulysses_attention(
         value = value.repeat_interleave(repeats, dim=1)
     out = attend(seq_to_heads(query, group), seq_to_heads(key, group), seq_to_heads(value, group))
     return heads_to_seq(out, group)
+
+
+class DistributedAttention(torch.nn.Module):
+    """DeepSpeed-Ulysses' attention wrapper for a program's own attention (DeepSpeed's
+    ``deepspeed.sequence.layer.DistributedAttention``).
+
+    ``local_attention(q, k, v, *args, **kwargs)`` attends over whole sequences; its
+    inputs and output keep the layout of the wrapper's inputs, where ``scatter_idx`` is the
+    heads dim and ``gather_idx`` the sequence dim (the defaults, 2 and 0, are Megatron's
+    ``[seq, batch, heads, head_dim]``; ``[batch, seq, heads, head_dim]`` is 2 and 1).
+    ``forward(query, key, value, *args, **kwargs)`` takes this rank's sequence slice and
+    returns its slice of the attention output. Key/value heads fewer than the ranks are
+    repeated ([Note: key/value heads under Ulysses]); DeepSpeed's ``batch_dim_idx`` and
+    ``rotary_pos_emb`` arguments are accepted by keyword (rotary embeddings are applied
+    after the exchange, on whole sequences, by ``rotary_pos_emb(q, k)``)."""
+
+    def __init__(
+        self,
+        local_attention: Callable[..., torch.Tensor],
+        sequence_process_group: ProcessGroup,
+        scatter_idx: int = 2,
+        gather_idx: int = 0,
+        sp_stream: object = None,
+        num_kv_heads: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.local_attn = local_attention
+        self.spg = sequence_process_group
+        self.scatter_idx, self.gather_idx = scatter_idx, gather_idx
+
+    def forward(self, query, key, value, *args, batch_dim_idx: int | None = None, rotary_pos_emb=None, **kwargs):
+        sp = dist.get_world_size(self.spg)
+        heads, seq = self.scatter_idx, self.gather_idx
+        repeats = kv_repeats(query.shape[heads], key.shape[heads], sp)
+        if repeats > 1:
+            key = key.repeat_interleave(repeats, dim=heads)
+            value = value.repeat_interleave(repeats, dim=heads)
+        q, k, v = (seq_to_heads(t, self.spg, head_dim=heads, seq_dim=seq) for t in (query, key, value))
+        if rotary_pos_emb is not None:
+            q, k = rotary_pos_emb(q, k)
+        context = self.local_attn(q, k, v, *args, **kwargs)
+        return heads_to_seq(context, self.spg, head_dim=heads, seq_dim=seq)
