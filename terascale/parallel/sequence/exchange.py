@@ -41,26 +41,17 @@ def _to_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return recv.permute(1, 0, 2, 3, 4).reshape(b, p * hp, s, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """One direction of the exchange; its backward is the other."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _to_heads(x, group)
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, to_heads: bool) -> torch.Tensor:
+        ctx.group, ctx.to_heads = group, to_heads
+        return _to_heads(x, group) if to_heads else _to_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _to_seq(grad, ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _to_heads(grad, ctx.group), None
+        return (_to_seq(grad, ctx.group) if ctx.to_heads else _to_heads(grad, ctx.group)), None, None
 
 
 def _canonical(x: torch.Tensor, head_dim: int, seq_dim: int) -> torch.Tensor:
@@ -77,7 +68,7 @@ def seq_to_heads(x: torch.Tensor, group: ProcessGroup, *, head_dim: int = 1, seq
     y = _canonical(x, head_dim, seq_dim)
     if y.shape[1] % p:
         raise ValueError(f"{y.shape[1]} heads do not split over a sequence-parallel group of {p} ranks")
-    return _SeqToHeads.apply(y, group).movedim((1, 2), (head_dim, seq_dim))
+    return _Exchange.apply(y, group, True).movedim((1, 2), (head_dim, seq_dim))
 
 
 def heads_to_seq(x: torch.Tensor, group: ProcessGroup, *, head_dim: int = 1, seq_dim: int = 2) -> torch.Tensor:
@@ -87,4 +78,4 @@ def heads_to_seq(x: torch.Tensor, group: ProcessGroup, *, head_dim: int = 1, seq
     y = _canonical(x, head_dim, seq_dim)
     if y.shape[2] % p:
         raise ValueError(f"a sequence of {y.shape[2]} positions does not split over {p} ranks")
-    return _HeadsToSeq.apply(y, group).movedim((1, 2), (head_dim, seq_dim))
+    return _Exchange.apply(y, group, False).movedim((1, 2), (head_dim, seq_dim))
