@@ -42,10 +42,11 @@ def result(out: Path) -> dict:
 def test_cifar_classifier_at_every_stage_and_precision(tmp_path):
     # The tutorial's stages and precisions; fp32 at stages 0 and 3 must train alike.
     runs = {}
-    for stage, dtype in [(0, "fp16"), (1, "bf16"), (2, "fp16"), (3, "bf16"), (0, "fp32"), (3, "fp32")]:
+    # (ZeRO-1 and -2 in 16 bits are the MoE mode's and test_zero_parity's; the suite's time is kept here.)
+    for stage, dtype in [(0, "fp16"), (3, "bf16"), (0, "fp32"), (3, "fp32")]:
         out = tmp_path / f"s{stage}-{dtype}"
         out.mkdir()
-        groups = ["--moe-param-group"] if stage == 2 else []
+        groups = ["--moe-param-group"] if dtype == "fp16" else []  # the split helper on a model without experts
         run("cifar_style.py", "--stage", str(stage), "--dtype", dtype, "--out", str(out), *groups)
         runs[stage, dtype] = result(out)
         losses = runs[stage, dtype]["losses"]

@@ -88,7 +88,8 @@ def _hf_rank(name: str, stage: int, spelling: str, extra: dict | None = None) ->
         torch.testing.assert_close(got[k], v, rtol=1e-4, atol=2e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 2, 3])
+# ZeRO-3 with split experts runs in the composition test below (with offload and recompute).
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_mixtral_experts_split_over_two_ranks_match_one_process(stage):
     run_ranks(_hf_rank, 2, "mixtral", stage, "moe", timeout=300)
 
