@@ -84,6 +84,7 @@ class GradientBuckets:
         policy: ReducePolicy,
         device: torch.device,
         average_over: int | None = None,
+        stats: CommStats | None = None,
     ) -> None:
         assert len(params) == len(names)
         self._params = list(params)
@@ -97,7 +98,9 @@ class GradientBuckets:
         self._policy = policy
         self._sync = True
         self.blocked_s = 0.0  # waiting for all-reduces ([Note: straggler compute time])
-        self.comm = CommStats()  # bytes this rank sends reducing gradients (for benchmarks)
+        # Bytes this rank sends reducing gradients (for benchmarks); ``stats`` lets several
+        # buckets' owners count into one record.
+        self.comm = stats if stats is not None else CommStats()
         # Sparse parameters are reduced as rows in finish(), outside every bucket.
         self._sparse = [policy.sparse_gradients and n in policy.sparse_params for n in self._names]
         self._sparse_acc: list[torch.Tensor | None] = [None] * len(self._params)

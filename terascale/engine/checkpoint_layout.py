@@ -86,7 +86,7 @@ class CheckpointLayout:
     def _moved(self, span: Span, t: torch.Tensor) -> Span:
         s = self._slices.get(span.name)
         if s is None or t.dim() == 0:  # a 0-d optimizer value (a step count) is no element
-            return span if span.name not in self._global else Span(span.key, self._global[span.name], span.start, span.end)
+            return Span(span.key, self._name(span.name), span.start, span.end)
         offset = s.index * self._local[span.name].numel
         return Span(span.key, span.name, span.start + offset, span.end + offset)
 
@@ -107,8 +107,7 @@ class CheckpointLayout:
         """Fill ``out`` with local span ``span`` from whatever layout saved it. A parameter
         trainable in one run and frozen in the other is found under the other kind (master
         vs param) and cast; optimizer state the saving run never created is zeroed."""
-        if span.name in self._global:  # a local expert: saved under its global number
-            span = Span(span.key, self._global[span.name], span.start, span.end)
+        span = Span(span.key, self._name(span.name), span.start, span.end)  # a local expert: its global number
         if not reader.has(span.key, span.name):
             other = {MASTER: PARAM, PARAM: MASTER}.get(span.key)
             if other is not None and reader.has(other, span.name):

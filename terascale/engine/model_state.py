@@ -163,16 +163,17 @@ class ReplicatedState:
         # Dense gradients are all-reduced over ``group``; each expert-parallel size's over its
         # expert-data-parallel group, averaged over all of ``group`` ([Note: expert parameters]).
         world = dist.get_world_size(group)
+        self._experts = experts or ExpertLayout()
+        self.comm_stats = CommStats()  # bytes this rank has sent reducing gradients (dense and sparse)
         self._reductions: list[tuple[list[int], GradientBuckets, ExpertGroups | None]] = []
-        for groups, index in (experts or ExpertLayout()).split(trainable):
+        for groups, index in self._experts.split(trainable):
             params = [trainable[i] for i in index]
             buckets = GradientBuckets(
-                params, [names.get(id(p), "<unnamed>") for p in params],
-                group if groups is None else groups.edp_group, reduce_policy, device, average_over=world,
+                params, [names.get(id(p), "<unnamed>") for p in params], group if groups is None else groups.edp_group,
+                reduce_policy, device, average_over=world, stats=self.comm_stats,
             )  # fmt: skip
             self._reductions.append((index, buckets, groups))
         self._buckets = self._reductions[0][1]  # the dense parameters'
-        self._experts = experts or ExpertLayout()
         self._finished = False
         self._group = group
         self._device = device
@@ -183,17 +184,6 @@ class ReplicatedState:
 
     def optimizer_param_groups(self) -> list[dict]:
         return self._groups
-
-    @property
-    def comm_stats(self) -> CommStats:
-        """Bytes this rank has sent reducing gradients (dense and sparse)."""
-        if len(self._reductions) == 1:
-            return self._buckets.comm
-        total = CommStats()
-        for _, buckets, _ in self._reductions:
-            for key, value in vars(buckets.comm).items():
-                setattr(total, key, getattr(total, key) + value)
-        return total
 
     def prepare_backward(self, sync: bool) -> None:
         for _, buckets, _ in self._reductions:

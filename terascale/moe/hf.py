@@ -88,7 +88,7 @@ class ExpertParallelExperts(nn.Module):
         gate_up = grouped_linear(rows, self.gate_up_proj, counts, grouped_mm=self.grouped_mm)
         gate, up = gate_up.chunk(2, dim=-1)
         out = grouped_linear(self.act_fn(gate) * up, self.down_proj, counts, grouped_mm=self.grouped_mm)
-        return combine(out, top_k_weights * kept, record)
+        return combine(out, top_k_weights, record)  # weighs the kept routes only
 
     def extra_repr(self) -> str:
         return (

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from terascale.moe.experts import ExpertParameter, is_expert_param
+from terascale.moe.layer import MoE
 
 ParamGroups = dict[str, Any] | tuple[dict[str, Any], ...] | list[dict[str, Any]]
 DEFAULT_MAX_GROUP_SIZE = 178956971  # DeepSpeed's default: elements per expert optimizer group
@@ -28,8 +29,6 @@ def is_moe_param(param: torch.Tensor) -> bool:
 
 def has_moe_layers(model: nn.Module) -> tuple[bool, int]:
     """``(True, num_experts of the first MoE layer)`` if ``model`` has one, else ``(False, 0)``."""
-    from terascale.moe.layer import MoE
-
     for m in model.modules():
         if isinstance(m, MoE):
             return True, m.num_experts

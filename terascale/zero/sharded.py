@@ -133,8 +133,8 @@ class ShardedState:
         self.groups: list[FlatParamGroup] = []
         # A class with a process group of its own shards over it (experts over their
         # expert-data-parallel group: [Note: expert parameters]); the rest over ``group``.
-        self._class_groups = dict(class_groups or {})
-        plan_pgs = [self._class_groups.get((param_classes or {}).get(id(plan.params[0])), group) for plan in self.plans]
+        class_groups = dict(class_groups or {})
+        plan_pgs = [class_groups.get((param_classes or {}).get(id(plan.params[0])), group) for plan in self.plans]
         for plan, pg in zip(self.plans, plan_pgs):
             fg = FlatParamGroup(
                 list(zip(plan.names, plan.params)),
@@ -177,7 +177,7 @@ class ShardedState:
             else None
         )
         # Reductions run on their own channels, apart from the parameter gathers.
-        channels = {id(pg): duplicate_group(pg) for pg in [group, *self._class_groups.values()]}
+        channels = {id(pg): duplicate_group(pg) for pg in [group, *class_groups.values()]}
         self.grads = ShardedGrads(
             self.groups,
             [[k >= 0 for k in plan.opt_group] for plan in self.plans],
