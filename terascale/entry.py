@@ -26,6 +26,7 @@ from terascale.engine.monitor import check_monitor_packages
 from terascale.engine.optimizer import OptimizerArg, SchedulerArg, check_optimizer_arguments
 from terascale.engine.parallel import check_layout, model_parallel_unit
 from terascale.offload.policy import unpinned_keys
+from terascale.parallel.sequence.groups import with_sequence_parallel
 from terascale.pipe import PipelineEngine, PipelineModule
 from terascale.plan import plan_for_initialize
 from terascale.zero import WrapPolicy
@@ -68,7 +69,7 @@ def initialize(
         )
     cfg = Config.load(source)
     mpu = model_parallel_unit(model, cfg, mpu)
-    dist_ctx = init_distributed(mpu)
+    dist_ctx = with_sequence_parallel(init_distributed(mpu), cfg.sp_size)
     check_layout(model, cfg, dist_ctx)
     # [Note: the planner at initialize]: "auto" stage, offload, micro-batch and checkpointing
     # chosen (or an explicit plan checked) before anything big is allocated.

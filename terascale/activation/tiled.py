@@ -107,19 +107,23 @@ def tiled(
 
 
 class TiledForward:
-    """``module``'s forward made tiled (see :func:`tile_mlp`) until :meth:`remove`."""
+    """``module``'s forward made tiled (see :func:`tile_mlp`) until :meth:`remove`.
+    ``tiles``: a count, or a function of the input giving it per call (1: not tiled)."""
 
-    def __init__(self, module: nn.Module, tiles: int, dim: int = 1) -> None:
+    def __init__(self, module: nn.Module, tiles: int | Callable[[torch.Tensor], int], dim: int = 1) -> None:
         if "forward" in vars(module):
             raise ValueError(f"{type(module).__name__} already has its own forward attribute (another wrapper patched it)")
-        if tiles < 1:
+        if isinstance(tiles, int) and tiles < 1:
             raise ValueError(f"tiles must be >= 1, got {tiles}")
         self.module, self.tiles, self.dim = module, tiles, dim
         inner = module.forward  # the class's forward, bound
 
         def forward(x: torch.Tensor) -> torch.Tensor:
+            count = self.tiles(x) if callable(self.tiles) else self.tiles
+            if count <= 1:
+                return inner(x)
             params = [p for p in module.parameters() if p.requires_grad]
-            return tiled(inner, x, params=params, tiles=self.tiles, dim=self.dim)
+            return tiled(inner, x, params=params, tiles=count, dim=self.dim)
 
         module.forward = forward
 
@@ -127,7 +131,7 @@ class TiledForward:
         vars(self.module).pop("forward", None)
 
 
-def tile_mlp(mlp: nn.Module, tiles: int, dim: int = 1) -> TiledForward:
+def tile_mlp(mlp: nn.Module, tiles: int | Callable[[torch.Tensor], int], dim: int = 1) -> TiledForward:
     """Compute ``mlp(x)`` ``tiles`` sequence tiles at a time from now on (dim ``dim`` of
     its one input is the sequence): its intermediate activations exist for one tile at
     once, in forward and in backward. Parameters and their names are unchanged."""

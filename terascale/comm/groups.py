@@ -66,6 +66,19 @@ class DistributedContext:
     # The ranks with this rank's data-parallel coordinate (one replica of the model, every
     # tensor- and pipeline-parallel part of it); None without model parallelism.
     replica_group: ProcessGroup | None = None
+    # Ulysses sequence parallelism ([Note: sequence-parallel groups]): the ranks sharing
+    # this rank's sequences, and the sequence x data-parallel ranks that hold the same
+    # parameters (ZeRO shards over them); None without sequence parallelism.
+    sp_group: ProcessGroup | None = None
+    sp_rank: int = 0
+    sp_world_size: int = 1
+    sdp_group: ProcessGroup | None = None
+
+    @property
+    def zero_group(self) -> ProcessGroup:
+        """The ranks holding the same parameters: ZeRO shards the model state over them and
+        reduces gradients over them (averaging over the ``dp_world_size`` data replicas)."""
+        return self.sdp_group if self.sdp_group is not None else self.dp_group
 
 
 def _default_backend(device_type: str) -> str:

@@ -236,7 +236,6 @@ FEATURES: tuple[Feature, ...] = (
     Feature("unmanaged gradient accumulation (reduction in step())", False, _unmanaged_accumulation),
     Feature("disabling Python's cyclic garbage collector", False, _flags("", "disable_python_gc")),
     Feature("CUDA graph harvesting", False, _flags("", "graph_harvesting")),
-    Feature("sequence parallelism", False, _above("sequence_parallel_size", 1)),
     Feature("DeepCompile", False, _deepcompile),
     Feature("sparse attention", False, _present("sparse_attention")),
     Feature("weight quantization", False, _present("weight_quantization")),

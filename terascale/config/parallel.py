@@ -144,3 +144,24 @@ class ExpertParallelConfig(Section):
     @property
     def active(self) -> bool:
         return bool(self.enabled) if self.enabled is not None else self.autoep_size > 1
+
+
+class SequenceParallelConfig(Section):
+    """``sequence_parallel``: Ulysses sequence parallelism and tiled compute (terascale's
+    section; DeepSpeed's top-level ``sequence_parallel_size`` gives the size too).
+
+    ``size``: ranks that split each sequence between them ([Note: sequence-parallel
+    groups]). ``tiled_mlp`` / ``tiled_loss``: compute a Hugging Face causal LM's MLPs and
+    its loss (logits and cross-entropy) in sequence tiles ([Note: tiled compute]);
+    ``"auto"`` tiles under sequence parallelism once a rank's slice reaches
+    ``tile_above`` tokens, and never without it. ``mlp_tiles``: tiles per MLP call
+    (``"auto"``: the slice's length over the hidden size, rounded up, as DeepSpeed's
+    ``TiledMLP`` recipe does); ``loss_tile_bytes``: the fp32 logits one loss tile may hold.
+    """
+
+    size: int = Field(1, ge=1)
+    tiled_mlp: bool | Literal["auto"] = "auto"
+    tiled_loss: bool | Literal["auto"] = "auto"
+    tile_above: int = Field(8192, ge=1)
+    mlp_tiles: int | Literal["auto"] = "auto"
+    loss_tile_bytes: int = Field(256 << 20, ge=1)

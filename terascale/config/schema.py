@@ -27,7 +27,13 @@ from terascale.config.features import unbuilt_settings
 from terascale.config.health import HealthConfig
 from terascale.config.paths import MISSING
 from terascale.config.paths import get as get_path
-from terascale.config.parallel import ExpertParallelConfig, PipelineConfig, TensorParallelConfig, data_parallel_size
+from terascale.config.parallel import (
+    ExpertParallelConfig,
+    PipelineConfig,
+    SequenceParallelConfig,
+    TensorParallelConfig,
+    data_parallel_size,
+)
 from terascale.config.planner import PlannerConfig
 from terascale.config.profiling import CommsLoggerConfig, FlopsProfilerConfig, TraceConfig
 from terascale.config.section import TORCH_DTYPES, DtypeName, Section, normalize_dtype_name
@@ -347,6 +353,7 @@ class Config(Section):
     vocabulary_size: int | None = Field(None, gt=0)
     use_data_before_expert_parallelism: bool = False
     sequence_parallel_size: int = Field(1, ge=1)
+    sequence_parallel: SequenceParallelConfig = Field(default_factory=SequenceParallelConfig)
 
     @field_validator("steps_per_print", mode="before")
     @classmethod
@@ -370,6 +377,21 @@ class Config(Section):
     @classmethod
     def _seq_comm_dtype(cls, value: Any) -> Any:
         return normalize_dtype_name(value, allow_none=False)
+
+    @model_validator(mode="after")
+    def _one_sequence_parallel_size(self) -> Config:
+        top, section = self.sequence_parallel_size, self.sequence_parallel.size
+        if top > 1 and section > 1 and top != section:
+            raise ValueError(
+                f"sequence_parallel_size is {top} but sequence_parallel.size is {section}: they name the same "
+                "size; give one of them"
+            )
+        return self
+
+    @property
+    def sp_size(self) -> int:
+        """The sequence-parallel size asked for (1: none), by either spelling."""
+        return max(self.sequence_parallel_size, self.sequence_parallel.size)
 
     @model_validator(mode="after")
     def _one_precision(self) -> Config:
@@ -496,7 +518,9 @@ class Config(Section):
     def communication_dtype(self) -> torch.dtype | None:
         """dtype gradients are reduced in, or None to reduce in the gradients' own dtype."""
         if self.communication_data_type is None:
-            return None
+            # DeepSpeed reduces gradients in seq_parallel_communication_data_type under
+            # sequence parallelism (fp32 unless set).
+            return TORCH_DTYPES[self.seq_parallel_communication_data_type] if self.sp_size > 1 else None
         return TORCH_DTYPES[self.communication_data_type]
 
     def data_parallel_size(self, world_size: int, pipeline_stages: int | None = None) -> int:
@@ -504,7 +528,7 @@ class Config(Section):
         tensor-parallel, pipeline and sequence-parallel sizes (``pipeline_stages``: the
         model's, where ``pipeline.stages`` is "auto"); see [Note: data-parallel size]."""
         stages = self.pipeline.stages if isinstance(self.pipeline.stages, int) else (pipeline_stages or 1)
-        return data_parallel_size(world_size, self.tensor_parallel.size, stages, self.sequence_parallel_size)
+        return data_parallel_size(world_size, self.tensor_parallel.size, stages, self.sp_size)
 
     def data_parallel_replica(self, world_size: int, rank: int) -> tuple[int, int]:
         """(data-parallel replicas, the replica global ``rank`` belongs to), for splitting

@@ -51,7 +51,7 @@ class CheckpointLayout:
             if n in self._local
         }
         self._not_saved = {n for tie in parallel.ties if not tie.owner for n in tie.names}
-        self.saves_buffers = dist_ctx.dp_rank == 0 and dist_ctx.tp_rank == 0
+        self.saves_buffers = dist_ctx.dp_rank == 0 and dist_ctx.tp_rank == 0 and dist_ctx.sp_rank == 0
         self._dist = dist_ctx
         self._full: dict[str, tuple[str, torch.Tensor]] = {}  # key -> (name, full tensor): the last one read
 

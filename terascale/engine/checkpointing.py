@@ -476,6 +476,7 @@ class Checkpointer:
             if self._config.checkpoint.verify_content if verify_content is None else verify_content:
                 self._verify_content(folder, m)
             check_fits(folder, m, self.layout.params(), buffers, self.layout.all_names(set(buffers)))
+            _note_sequence_parallel(m, self._config.sp_size)
             client = self._client_state(folder, m, allow_pickled_client_state) if read_client_state else None
             saved_keys = None
             if with_optim:
@@ -602,3 +603,18 @@ def _raise_if_any(error: str | LeaseError | None, group: dist.ProcessGroup, what
         lease = next((kind for kind, _ in found if kind), None)
         kind = {c.__name__: c for c in (LeaseError, LeaseHeldError, LeaseLostError)}.get(lease or "", CheckpointError)
         raise kind(f"{what}: {'; '.join(text for _, text in found)}")
+
+
+def _note_sequence_parallel(m: Manifest, sp: int) -> None:
+    """Say when a checkpoint saved at another sequence-parallel size loads: its states are
+    not split by sequence (every rank of a sequence group holds the same parameters, sharded
+    over all ranks like data-parallel ones: [Note: sequence-parallel groups]), so they
+    reshard onto this layout as they would across data-parallel sizes."""
+    config = m.config or {}
+    saved = max(int(config.get("sequence_parallel_size", 1)), int((config.get("sequence_parallel") or {}).get("size", 1)))
+    if saved != sp and dist.get_rank() == 0:
+        logger.info(
+            "checkpoint '%s' was saved at sequence-parallel size %d and loads at %d: model and optimizer states are "
+            "not split by sequence, so they reshard over this run's %d rank(s) like data-parallel states",
+            m.tag, saved, sp, dist.get_world_size(),
+        )

@@ -144,9 +144,20 @@ class DeepSpeedEngineAPI:
         return self.dist.pp_rank == self.dist.pp_world_size - 1
 
     def get_sequence_parallel_group(self: Engine) -> Any:
-        """None: terascale has no DeepSpeed-Ulysses sequence-parallel group (its sequence
-        parallelism lives inside the tensor-parallel group)."""
-        return None
+        """The ranks sharing this rank's sequences (``sequence_parallel_size``); None
+        without sequence parallelism."""
+        return self.dist.sp_group
+
+    def get_sequence_parallel_rank(self: Engine) -> int:
+        return self.dist.sp_rank
+
+    def get_sequence_parallel_world_size(self: Engine) -> int:
+        return self.dist.sp_world_size
+
+    @property
+    def seq_data_parallel_group(self: Engine) -> Any:
+        """The ranks ZeRO shards over: sequence x data-parallel ([Note: sequence-parallel groups])."""
+        return self.dist.zero_group
 
     # -- the config, read by DeepSpeed's accessor names ------------------------------------------
 

@@ -319,7 +319,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         overflow = False
         if self.config.fp16.enabled:
             # The norm is global (every rank holds the same one), so this agrees everywhere.
-            overflow = all_reduce_flag(~torch.isfinite(norm), self.dp_group, self.device)
+            overflow = all_reduce_flag(~torch.isfinite(norm), self.dist.zero_group, self.device)
             self.loss_scaler.update(overflow)
         verdict = self._resilience.check_finite(norm) if checks and not overflow else "ok"
         if verdict == "rollback":

@@ -131,7 +131,7 @@ def broadcast_initial_values(module: nn.Module, dist_ctx: DistributedContext, ex
     replicate it (its expert-data-parallel group: the other ranks hold other experts)."""
     params = list(module.parameters())
     dense = [p.data for p in params if id(p) not in experts.ep_size_of]
-    broadcast_tensors(dense + list(module.buffers()), dist_ctx.dp_group)
+    broadcast_tensors(dense + list(module.buffers()), dist_ctx.zero_group)
     for n, groups in sorted(experts.groups.items()):
         broadcast_tensors([p.data for p in params if experts.ep_size_of.get(id(p)) == n], groups.edp_group)
 

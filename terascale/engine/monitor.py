@@ -122,7 +122,7 @@ class Reporter:
     """
 
     def __init__(self, config, dist_ctx: DistributedContext, samples: Callable[[], int]) -> None:
-        self.reports = dist_ctx.dp_rank == 0 and dist_ctx.tp_rank == 0 and dist_ctx.pp_rank == 0
+        self.reports = dist_ctx.dp_rank == 0 and dist_ctx.tp_rank == 0 and dist_ctx.pp_rank == 0 and dist_ctx.sp_rank == 0
         self._monitors: list[Monitor] = build_monitors(config) if self.reports else []
         self._samples = samples
 

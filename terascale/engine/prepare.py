@@ -8,7 +8,9 @@ before it (torchtitan's ``parallelize_llama`` reads the same way):
    step sees the parameters this rank holds, not the unsliced ones;
 2. the module is cast to the compute dtype on this rank's device, its MoE layers get their
    expert-parallel groups, and rank 0's values are broadcast over the data-parallel group
-   (an expert's over the ranks that replicate it), whatever each process's seed did;
+   (an expert's over the ranks that replicate it), whatever each process's seed did; then
+   sequence parallelism and tiling switch its attention, forward and MLPs
+   (``terascale.parallel.sequence.model``: module-level changes, parameters untouched);
 3. tiling (``zero_optimization.tile_linear_above``) replaces big ``nn.Linear`` layers and
    their parameters, so it runs before anything collects parameters: the user's optimizer
    groups are read right after it;
@@ -51,6 +53,7 @@ from terascale.engine.parallel import ParallelLayout
 from terascale.engine.precision import PrecisionPolicy
 from terascale.moe.groups import ExpertLayout
 from terascale.offload import optimizer_offload, param_offload
+from terascale.parallel.sequence.model import TilePolicy, apply_sequence_parallel
 from terascale.parallel.tensor import auto_tp
 from terascale.zero import ShardedState, WrapPolicy, ZeroOptions
 from terascale.zero.grads import GradPolicy
@@ -102,7 +105,15 @@ def prepare_model(
     module.to(device=dist_ctx.device, dtype=precision.compute_dtype)
     experts, split = setup_experts(module, dist_ctx, config.expert_parallel)
     sliced.update(split)  # Hugging Face experts replaced by this rank's share
+    if dist_ctx.sp_world_size > 1 and experts.groups:
+        raise ValueError(
+            f"sequence_parallel_size {dist_ctx.sp_world_size} with expert parallelism: the two do not compose yet "
+            "(expert groups are built over the data-parallel ranks); drop one of them"
+        )
     broadcast_initial_values(module, dist_ctx, experts)
+    sp = config.sequence_parallel
+    apply_sequence_parallel(module, dist_ctx.sp_group,
+                            TilePolicy(sp.tiled_mlp, sp.tiled_loss, sp.tile_above, sp.mlp_tiles, sp.loss_tile_bytes))  # fmt: skip
 
     if config.zero_optimization.tile_linear_above is not None:
         if isinstance(optimizer, torch.optim.Optimizer) or model_parameters is not None:
@@ -189,19 +200,22 @@ def build_model_state(
     """
     zero = config.zero_optimization
     sparse = sparse_gradient_params(module) if config.sparse_gradients else frozenset()
+    # Over the ranks holding the same parameters, averaged over the data replicas
+    # ([Note: sequence-parallel groups]; the same ranks without sequence parallelism).
+    group, replicas = dist_ctx.zero_group, dist_ctx.dp_world_size
     if zero.stage == 0:
         policy = ReducePolicy(**_reduction(config), accum_dtype=config.grad_accum_dtype, sparse_params=sparse)
-        return ReplicatedState(module, param_groups, precision, dist_ctx.dp_group, policy, dist_ctx.device, experts)
+        return ReplicatedState(module, param_groups, precision, group, policy, dist_ctx.device, experts,
+                               average_over=replicas)  # fmt: skip
     if zero.stage == 3 and zero.leaf_module:
         mark_leaf_modules(module, zero.leaf_module)
     options = zero_options(config, wrap_policy)
-    if sparse:
-        options = dataclasses.replace(options, grads=dataclasses.replace(options.grads, sparse_params=sparse))
+    options = dataclasses.replace(options, grads=dataclasses.replace(options.grads, sparse_params=sparse, average_over=replicas))
     return ShardedState(
         module,
         param_groups,
         options,
-        dist_ctx.dp_group,
+        group,
         dtype=precision.compute_dtype,
         device=dist_ctx.device,
         param_classes=param_classes,

@@ -418,7 +418,8 @@ def _name_group(group: Any, ctx: DistributedContext) -> tuple[str, list[int] | N
     """("the data-parallel group", its global ranks) for a process group of ``ctx``."""
     named = [("data-parallel", getattr(ctx, "dp_group", None)), ("tensor-parallel", getattr(ctx, "mp_group", None)),
              ("pipeline", getattr(ctx, "pp_group", None)), ("replica", getattr(ctx, "replica_group", None)),
-             ("world", dist.group.WORLD)]
+             ("sequence-parallel", getattr(ctx, "sp_group", None)),
+             ("sequence x data-parallel", getattr(ctx, "sdp_group", None)), ("world", dist.group.WORLD)]
     group = group if group is not None else dist.group.WORLD
 
     def ranks_of(g: Any) -> list[int] | None:

@@ -62,7 +62,8 @@ def _find(param: nn.Parameter) -> tuple[Engine, str, torch.Size]:
 
 
 def _group(engine: Engine) -> dist.ProcessGroup | None:
-    return engine.dp_group if dist.is_initialized() and dist.get_world_size(engine.dp_group) > 1 else None
+    group = engine.dist.zero_group  # the ranks that shard the parameters
+    return group if dist.is_initialized() and dist.get_world_size(group) > 1 else None
 
 
 @torch.no_grad()

@@ -78,12 +78,14 @@ class DistributedAttention(torch.nn.Module):
     returns its slice of the attention output. Key/value heads fewer than the ranks are
     repeated ([Note: key/value heads under Ulysses]); DeepSpeed's ``batch_dim_idx`` and
     ``rotary_pos_emb`` arguments are accepted by keyword (rotary embeddings are applied
-    after the exchange, on whole sequences, by ``rotary_pos_emb(q, k)``)."""
+    after the exchange, on whole sequences, by ``rotary_pos_emb(q, k)``). A
+    ``sequence_process_group`` left None is the engine's sequence-parallel group, set by
+    ``terascale.initialize`` (``sequence_parallel_size``)."""
 
     def __init__(
         self,
         local_attention: Callable[..., torch.Tensor],
-        sequence_process_group: ProcessGroup,
+        sequence_process_group: ProcessGroup | None = None,
         scatter_idx: int = 2,
         gather_idx: int = 0,
         sp_stream: object = None,
@@ -95,6 +97,11 @@ class DistributedAttention(torch.nn.Module):
         self.scatter_idx, self.gather_idx = scatter_idx, gather_idx
 
     def forward(self, query, key, value, *args, batch_dim_idx: int | None = None, rotary_pos_emb=None, **kwargs):
+        if self.spg is None:
+            raise ValueError(
+                "DistributedAttention has no sequence-parallel group: pass sequence_process_group, or train the "
+                "model through terascale.initialize with sequence_parallel_size set"
+            )
         sp = dist.get_world_size(self.spg)
         heads, seq = self.scatter_idx, self.gather_idx
         repeats = kv_repeats(query.shape[heads], key.shape[heads], sp)

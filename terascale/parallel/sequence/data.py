@@ -84,15 +84,28 @@ class _GlobalValue(torch.autograd.Function):
         return grad, None
 
 
-def sequence_loss(logits: torch.Tensor, shift_labels: torch.Tensor, num_targets: int, group: ProcessGroup) -> torch.Tensor:
+def sequence_loss(
+    logits: torch.Tensor, shift_labels: torch.Tensor, num_targets: int | torch.Tensor, group: ProcessGroup | None
+) -> torch.Tensor:
     """This rank's term of the micro-batch's mean cross-entropy (fp32): its slice's
     summed losses over ``num_targets``, the whole micro-batch's counted targets; the value
     returned is the whole mean (the terms summed over ``group``), its gradient this rank's
     term's (see [Note: the loss under sequence parallelism]). Collective over ``group``."""
-    local = torch.nn.functional.cross_entropy(
+    summed = torch.nn.functional.cross_entropy(
         logits.flatten(0, -2).float(), shift_labels.reshape(-1), ignore_index=IGNORE, reduction="sum"
-    ) / max(num_targets, 1)
+    )
+    return sequence_mean(summed, num_targets, group)
+
+
+def sequence_mean(summed: torch.Tensor, num_targets: int | torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """``summed`` (this rank's slice's summed losses, 0-d) over ``num_targets``, valued as
+    the whole micro-batch's mean: the terms of every rank of ``group`` added up (None: one
+    rank); its gradient is this rank's term's. Collective over ``group``."""
+    if isinstance(num_targets, torch.Tensor):
+        local = summed / num_targets.to(summed.device).clamp(min=1)
+    else:
+        local = summed / max(num_targets, 1)
     total = local.detach().clone()
-    if dist.get_world_size(group) > 1:
+    if group is not None and dist.get_world_size(group) > 1:
         ops.all_reduce(total, group=group)
     return _GlobalValue.apply(local, total)

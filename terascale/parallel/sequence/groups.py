@@ -1,0 +1,61 @@
+"""Sequence-parallel groups: which ranks share a sequence, which hold the same data.
+
+[Note: sequence-parallel groups]
+With sequence-parallel size P, each run of P consecutive ranks (DeepSpeed's layout: the
+all-to-alls of attention stay among neighbours, inside a node) splits the same sequences
+between them, and the ranks at the same place in each run are the data-parallel replicas
+that read different samples. So a world of 4 at P = 2 has sequence groups [0, 1], [2, 3]
+and data replicas [0, 2], [1, 3].
+
+Every rank holds the same parameters, so ZeRO shards the model state over all of them
+(the *sequence x data-parallel* group, DeepSpeed's ``seq_data_parallel_group``), and the
+gradients are summed over it and divided by the data replicas only: the ranks of a
+sequence group each computed their slice's share of one loss ([Note: the loss under
+sequence parallelism]), which add up to that loss's gradient. The engine's data-parallel
+rank and size (batch arithmetic, samplers, ``dp_world_size``) stay those of the replicas:
+a sequence group reads one sample stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.distributed as dist
+
+from terascale.comm.groups import DistributedContext
+
+
+def with_sequence_parallel(ctx: DistributedContext, size: int) -> DistributedContext:
+    """``ctx`` with sequence-parallel groups of ``size`` consecutive ranks (see the note):
+    its data-parallel group becomes the data replicas, its ``sdp_group`` the ranks it held
+    before. Collective over the world (every rank calls it alike). Raises ``ValueError``
+    where ``size`` does not divide the ranks or model parallelism is on."""
+    if size == 1:
+        return ctx
+    if ctx.mp_world_size > 1 or ctx.pp_world_size > 1:
+        raise ValueError(
+            f"sequence_parallel_size {size} with tensor-parallel size {ctx.mp_world_size} and "
+            f"{ctx.pp_world_size} pipeline stage(s): sequence parallelism composes with data parallelism and "
+            "ZeRO only (as DeepSpeed's Ulysses does); drop the tensor or pipeline parallelism"
+        )
+    world = ctx.dp_world_size
+    if world % size:
+        raise ValueError(
+            f"sequence_parallel_size {size} does not divide the {world} ranks; run on a multiple of {size} "
+            f"ranks or choose a size that divides {world}"
+        )
+    ranks = dist.get_process_group_ranks(ctx.dp_group)
+    sequence_lists = [ranks[i : i + size] for i in range(0, world, size)]
+    replica_lists = [ranks[j::size] for j in range(size)]
+    sp_group, _ = dist.new_subgroups_by_enumeration(sequence_lists)
+    replicas, _ = dist.new_subgroups_by_enumeration(replica_lists)
+    return dataclasses.replace(
+        ctx,
+        dp_group=replicas,
+        dp_rank=dist.get_rank(replicas),
+        dp_world_size=world // size,
+        sp_group=sp_group,
+        sp_rank=dist.get_rank(sp_group),
+        sp_world_size=size,
+        sdp_group=ctx.dp_group,
+    )

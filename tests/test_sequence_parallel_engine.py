@@ -1,0 +1,211 @@
+"""Ulysses sequence parallelism through ``terascale.initialize``: a Hugging Face Llama whose
+every sequence is split over the sequence-parallel ranks, composed with ZeRO, against the
+unchanged model in one process (plain PyTorch, SGD with momentum: the update is
+proportional to the gradient, so one summed or averaged over the wrong ranks shows): the
+loss at every step on every rank, the global gradient norm (clipping reads it) and every
+parameter after the steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from distributed import run_ranks
+
+STEPS, SEQ, VOCAB = 3, 32, 96
+LLAMA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=64)  # fmt: skip
+
+
+def _model(kv_heads: int, impl: str = "sdpa"):
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(**LLAMA, num_key_value_heads=kv_heads)
+    config._attn_implementation = impl
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).float()
+
+
+def _batches(replicas: int):
+    """Per step, per data replica: (input_ids, labels) of 2 sequences, some targets ignored."""
+    import torch
+
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(STEPS):
+        step = []
+        for _ in range(replicas):
+            ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+            labels = ids.clone()
+            labels[0, 2 : 2 + SEQ // 2] = -100  # most of one slice ignored: slices count unevenly
+            step.append((ids, labels))
+        out.append(step)
+    return out
+
+
+def _reference(kv_heads: int, replicas: int, lr: float, clip: float) -> tuple[list[list[float]], list[float], dict]:
+    import torch
+
+    model = _model(kv_heads)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses, norms = [], []
+    for step in _batches(replicas):
+        opt.zero_grad()
+        out = [model(input_ids=ids, labels=labels).loss for ids, labels in step]
+        (sum(out) / replicas).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        opt.step()
+        losses.append([loss.item() for loss in out])
+    return losses, norms, model.state_dict()
+
+
+def _sp_rank(sp: int, stage: int, kv_heads: int, extra: dict | None = None) -> dict:
+    import torch
+
+    import terascale
+    from terascale.comm import init_distributed
+
+    ctx = init_distributed()
+    replicas = ctx.world_size // sp
+    # Clipping above the norm (which is ~2-3): the engine computes the norm, the update stays
+    # proportional to the gradient (clipped, a wrong scale would cancel out).
+    lr, clip = 0.5, 50.0
+    ref_losses, ref_norms, want = _reference(kv_heads, replicas, lr, clip)
+    zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": clip,
+              "optimizer": {"type": "SGD", "params": {"lr": lr, "momentum": 0.9}},
+              "zero_optimization": zero, "sequence_parallel_size": sp, **(extra or {})}  # fmt: skip
+    engine, *_ = terascale.initialize(model=_model(kv_heads), config=config)
+    assert engine.get_sequence_parallel_world_size() == sp and engine.dp_world_size == replicas
+    replica = engine.get_data_parallel_rank()
+    for step, batch in enumerate(_batches(replicas)):
+        ids, labels = batch[replica]  # every rank of a sequence group reads the same sample
+        out = engine(ids, labels=labels)
+        loss = out.loss
+        tiled = (extra or {}).get("sequence_parallel", {}).get("tiled_loss") is True
+        assert (out.logits is None) == tiled  # a tiled loss never builds the logits
+        if out.logits is not None:
+            assert out.logits.shape == (2, SEQ // sp, VOCAB)  # this rank's slice
+        torch.testing.assert_close(loss.item(), ref_losses[step][replica], rtol=2e-5, atol=1e-6)
+        engine.backward(loss)
+        engine.step()
+        assert engine.get_global_grad_norm() == pytest.approx(ref_norms[step], rel=1e-4)
+    got = engine.full_state_dict()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-4, atol=2e-6, msg=lambda m, k=k: f"{k}: {m}")
+    return {"stage": stage}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_sequence_parallel_llama_equals_one_process(stage, kv_heads):
+    run_ranks(_sp_rank, 2, 2, stage, kv_heads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sequence_parallel_at_zero_1_and_2(stage):
+    run_ranks(_sp_rank, 2, 2, stage, 2)
+
+
+def test_sequence_and_data_parallel_on_four_ranks():
+    """sp 2 x dp 2 at ZeRO-3: replicas read different samples, gradients summed over each
+    sequence group and averaged over the replicas; the model state is sharded over all four."""
+    run_ranks(_sp_rank, 4, 2, 3, 2)
+
+
+def test_sequence_parallel_composes_with_offload_and_activation_checkpointing(tmp_path):
+    """ZeRO-3 with parameters and optimizer on the host, every decoder layer recomputed (the
+    all-to-alls run again in backward) with its saved inputs on the host; the MLPs and the
+    loss tiled."""
+    extra = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                   "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+             "activation_checkpointing": {"policy": "blocks", "cpu_checkpointing": True},
+             "sequence_parallel": {"tiled_mlp": True, "tiled_loss": True, "mlp_tiles": 3, "loss_tile_bytes": 4096}}  # fmt: skip
+    run_ranks(_sp_rank, 2, 2, 3, 2, extra)
+
+
+def _checkpoint_rank(sp: int, save_dir: str, load: bool) -> dict:
+    import torch
+
+    import terascale
+    from terascale.comm import init_distributed
+
+    init_distributed()
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "sequence_parallel_size": sp}  # fmt: skip
+    engine, *_ = terascale.initialize(model=_model(2), config=config)
+    data = _batches(1)
+    if load:
+        engine.load_checkpoint(save_dir)
+    else:
+        for ids, labels in (step[0] for step in data[:2]):
+            engine.backward(engine(ids, labels=labels).loss)
+            engine.step()
+        engine.save_checkpoint(save_dir)
+    state = engine.full_state_dict()
+    ids, labels = data[2][0]
+    loss = engine(ids, labels=labels).loss
+    engine.backward(loss)
+    engine.step()
+    return {"state": state, "next": engine.full_state_dict(), "loss": loss.item()}
+
+
+def test_a_checkpoint_saved_with_sequence_parallelism_loads_without_it(tmp_path, caplog):
+    """Saved at sp 2 (ZeRO-3 over both ranks), loaded in one process: the same model, and
+    the same next step from its optimizer state."""
+    import torch
+
+    saved = run_ranks(_checkpoint_rank, 2, 2, str(tmp_path), False)
+    (loaded,) = run_ranks(_checkpoint_rank, 1, 1, str(tmp_path), True)
+    for rank in saved:
+        assert rank["loss"] == pytest.approx(loaded["loss"], rel=2e-5)
+        for key in ("state", "next"):
+            for k, v in rank[key].items():
+                torch.testing.assert_close(loaded[key][k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _refused(case: str) -> str:
+    import torch
+
+    import terascale
+    from terascale.comm import init_distributed
+
+    init_distributed()
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "sequence_parallel_size": 2}  # fmt: skip
+    model = _model(2)
+    try:
+        if case == "world":
+            config["sequence_parallel_size"] = 3
+        elif case == "heads":
+            import transformers
+
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA, "hidden_size": 24,
+                                                                              "num_attention_heads": 3}))  # fmt: skip
+        elif case == "own model":
+            model = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB))
+        elif case == "both spellings":
+            config["sequence_parallel"] = {"size": 4}
+        engine, *_ = terascale.initialize(model=model, config=config)
+        if case == "length":
+            ids = torch.zeros(2, SEQ - 1, dtype=torch.long)
+            engine(ids, labels=ids)
+    except ValueError as err:
+        return str(err)
+    return "not refused"
+
+
+def _refusals(cases: list[str]) -> dict[str, str]:
+    return {case: _refused(case) for case in cases}
+
+
+def test_sizes_that_do_not_split_are_refused_naming_the_numbers():
+    got = run_ranks(_refusals, 2, ["world", "length", "heads", "own model", "both spellings"])[0]
+    assert "sequence_parallel_size 3 does not divide the 2 ranks" in got["world"]
+    assert "sequences of 31 tokens do not split over 2 sequence-parallel ranks" in got["length"]
+    assert "sequence_parallel_size 2 does not divide the 3 attention heads of LlamaForCausalLM" in got["heads"]
+    assert "cannot find the attention of Sequential" in got["own model"]
+    assert "DistributedAttention" in got["own model"]
+    assert "sequence_parallel_size is 2 but sequence_parallel.size is 4" in got["both spellings"]
