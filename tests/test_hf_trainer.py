@@ -420,3 +420,55 @@ def test_autotp_batch_sizes_and_data_follow_the_data_parallel_replicas(tmp_path)
         for k, v in ref_state.items():
             torch.testing.assert_close(state[k], v.float(), rtol=1e-4, atol=1e-5, msg=f"{name}: {k}")
     assert [r["initialize"] for r in results] == [4] * 4
+
+
+# -- sequence parallelism --------------------------------------------------------------------------
+
+
+def _sequence_parallel_rank(out: str) -> dict:
+    """The plain Trainer on 2 processes (DDP, micro-batches of 1, windows of 2: 4 samples a
+    step) and terascale's with each sequence split over both (one replica, micro-batches of
+    2, windows of 2: the same 4 samples a step), the size given by the config and by
+    ``TrainingArguments.parallelism_config``."""
+    import transformers as hf
+    from accelerate import ParallelismConfig
+
+    from terascale.integrations.transformers import Trainer
+
+    data = Tokens(16)
+    common = dict(num_train_epochs=1, adam_epsilon=1e-4, gradient_accumulation_steps=2)
+    model = tiny_llama()
+    plain = hf.Trainer(model=model, args=_args(f"{out}/plain", per_device_train_batch_size=1, **common),
+                       train_dataset=data)  # fmt: skip
+    plain.train()
+    results = {"plain": (_history(plain), {k: v.detach().clone() for k, v in model.state_dict().items()})}
+    config = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "gradient_clipping": "auto", "zero_optimization": {"stage": 3}}  # fmt: skip
+    for name, extra, kw in (("config", {"sequence_parallel_size": 2}, {}),
+                            ("arguments", {}, {"parallelism_config": ParallelismConfig(sp_size=2)})):  # fmt: skip
+        trainer = Trainer(model=tiny_llama(), args=_args(f"{out}/{name}", per_device_train_batch_size=2, **common, **kw),
+                          train_dataset=data, config={**config, **extra})  # fmt: skip
+        trainer.train()
+        assert trainer.engine.get_sequence_parallel_world_size() == 2
+        assert trainer.get_total_train_batch_size(trainer.args) == 4  # the Trainer counts one replica
+        results[name] = (_history(trainer), trainer.engine.full_state_dict())
+        results[name + "/batch"] = trainer.engine.config.train_batch_size
+        trainer.engine.destroy()
+    return results
+
+
+def test_trainer_with_sequence_parallelism_matches_the_plain_trainer(tmp_path):
+    results = run_ranks(_sequence_parallel_rank, 2, str(tmp_path), timeout=400)
+    ref_history, ref_state = results[0]["plain"]
+    assert len(ref_history) == 4
+    for name in ("config", "arguments"):
+        for r in results:
+            assert r[name + "/batch"] == 4  # micro 2 x windows of 2 x 1 replica
+            history, state = r[name]
+            assert len(history) == len(ref_history), (name, history)
+            for (loss, norm, lr), (ref_loss, ref_norm, ref_lr) in zip(history, ref_history):
+                assert loss == pytest.approx(ref_loss, rel=1e-5, abs=_LOGGED_LOSS_ROUNDING), (name, history, ref_history)
+                assert norm == pytest.approx(ref_norm, rel=1e-4), (name, history, ref_history)
+                assert lr == pytest.approx(ref_lr, rel=1e-6), name
+            for k, v in ref_state.items():
+                torch.testing.assert_close(state[k], v.float(), rtol=1e-4, atol=1e-5, msg=f"{name}: {k}")

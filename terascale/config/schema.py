@@ -533,9 +533,10 @@ class Config(Section):
     def data_parallel_replica(self, world_size: int, rank: int) -> tuple[int, int]:
         """(data-parallel replicas, the replica global ``rank`` belongs to), for splitting
         data before the engine exists: a tensor-parallel group, whose ranks are consecutive
-        ([Note: topology]), is one replica and sees the same samples."""
+        ([Note: topology]), is one replica and sees the same samples; so is a
+        sequence-parallel group ([Note: sequence-parallel groups])."""
         replicas = self.data_parallel_size(world_size)
-        return replicas, rank // self.tensor_parallel.size % replicas
+        return replicas, rank // (self.tensor_parallel.size * self.sp_size) % replicas
 
     def resolve_batch(self, world_size: int) -> BatchSizes:
         """The batch triplet for ``world_size`` data-parallel ranks (DeepSpeed's rules).
@@ -582,6 +583,8 @@ _LOOSE_SECTIONS = frozenset(
     [name for name, f in Config.model_fields.items() if f.annotation == LooseSection]
     + [f"zero_optimization.{name}" for name in ("zenflow", "zeropp_loco_param", "leaf_module")]
     + ["checkpoint.writer", "pipeline"]
+    # "auto" tiling decides per call, from the sequence length ([Note: tiled compute]).
+    + ["sequence_parallel"]
     # "auto" in aio asks the engine to measure the value on the NVMe path ([Note: the aio probe]).
     + ["aio"]
 )

@@ -23,6 +23,9 @@ terascale takes what touches parameters, gradients and optimizer state:
   the loss; the engine reduces and steps), ``clip_grad_norm_`` reports the engine's norm
   (the engine clips by the config's ``gradient_clipping``, as DeepSpeed does), and a step
   skipped for an fp16 overflow leaves the Trainer's schedule where it was;
+- ``sequence_parallel_size`` (in the config, or ``TrainingArguments(parallelism_config=
+  ParallelismConfig(sp_size=N))``) is the engine's: see [Note: sequence parallelism
+  under the Trainer];
 - models are saved from the engine's full fp32 weights in the dtype the model came in,
   and checkpoints are terascale checkpoints inside the Trainer's ``checkpoint-N`` folders,
   so ``resume_from_checkpoint`` resumes exactly.
@@ -31,6 +34,7 @@ terascale takes what touches parameters, gradients and optimizer state:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from typing import Any
 
@@ -47,6 +51,17 @@ from terascale.entry import initialize
 from terascale.integrations.optimizer import EngineOptimizer
 
 _SCHEDULER_FILE = "scheduler.pt"
+
+# [Note: sequence parallelism under the Trainer]
+# The Trainer's own DeepSpeed-Ulysses path hands each rank of a sequence group different
+# samples through DeepSpeed's data loader adapter, which gathers and re-splits them, and
+# computes the loss itself. On terascale the ranks of a sequence group read the same
+# samples (the data loader is sharded over the data replicas, as for tensor parallelism)
+# and the engine's model cuts each batch and returns the whole batch's loss
+# (terascale.parallel.sequence.model). So the Trainer sees sequence parallelism only as
+# processes sharing a replica (``get_tp_size``: it divides its process count by them to
+# count batches and tokens, and scales the loss by the replicas), and none of its
+# sequence-parallel code runs.
 
 
 def trainer_given(
@@ -213,13 +228,22 @@ class TerascaleTrainerMixin:
                 "these TrainingArguments set up DeepSpeed itself (transformers.TrainingArguments(deepspeed=...)); "
                 "use terascale.integrations.transformers.TrainingArguments, or pass the config as config= only"
             )
-        self.terascale_config = Config.load(source)
+        self.terascale_config = _with_trainer_sequence_parallel(Config.load(source), self.args)
         self._model_dtypes = {n: p.dtype for n, p in self.model.state_dict().items()}
 
     # -- the accelerator, the engine, the optimizer and the schedule ------------------------------
 
     def create_accelerator_and_postprocess(self) -> None:
-        super().create_accelerator_and_postprocess()
+        # Sequence parallelism is the engine's ([Note: sequence parallelism under the
+        # Trainer]): accelerate and the Trainer's DeepSpeed-Ulysses paths (a data loader
+        # adapter, their own loss) see the parallelism config without it.
+        pc = getattr(self.args, "parallelism_config", None)
+        if pc is not None and getattr(pc, "sp_size", 1) > 1:
+            self.args.parallelism_config = None if pc.total_size == pc.sp_size else dataclasses.replace(pc, sp_size=1)
+        try:
+            super().create_accelerator_and_postprocess()
+        finally:
+            self.args.parallelism_config = pc
         self.accelerator = _EngineAccelerator(self.accelerator, self)
 
     def autocast_smart_context_manager(self, *args: Any, **kwargs: Any) -> Any:
@@ -256,8 +280,9 @@ class TerascaleTrainerMixin:
 
     def get_tp_size(self) -> int:
         # The Trainer divides its process count by this to count batches and tokens (what it
-        # reads from the DeepSpeed config's autotp_size under DeepSpeed).
-        return self.terascale_config.tensor_parallel.size
+        # reads from the DeepSpeed config's autotp_size under DeepSpeed): the processes of one
+        # data replica, a sequence-parallel group's included.
+        return self.terascale_config.tensor_parallel.size * self.terascale_config.sp_size
 
     def _ensure_engine(self, num_training_steps: int | None) -> None:
         if self.engine is not None:
@@ -323,6 +348,21 @@ class TerascaleTrainerMixin:
         if self.engine is None:
             return super()._load_best_model()
         self.engine.load_checkpoint(self.state.best_model_checkpoint, load_module_only=True)
+
+
+def _with_trainer_sequence_parallel(config: Config, args: Any) -> Config:
+    """``config`` with the sequence-parallel size ``TrainingArguments.parallelism_config``
+    asks for ([Note: sequence parallelism under the Trainer]); raises ``ValueError`` when
+    the config says another."""
+    sp = int(getattr(getattr(args, "parallelism_config", None), "sp_size", None) or 1)
+    if sp <= 1:
+        return config
+    if config.sp_size > 1 and config.sp_size != sp:
+        raise ValueError(
+            f"TrainingArguments.parallelism_config.sp_size is {sp} but the config's sequence-parallel size is "
+            f"{config.sp_size}; make them agree (or give it in one place)"
+        )
+    return config.with_values(sequence_parallel_size=sp)
 
 
 def _training_arguments(base: type) -> type:
