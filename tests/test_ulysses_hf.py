@@ -77,9 +77,24 @@ def test_a_batch_that_cannot_be_cut_is_refused():
     ids = torch.zeros(2, 10, dtype=torch.long)
     with pytest.raises(ValueError, match="sequences of 10 tokens do not split over 4 sequence-parallel ranks"):
         slice_batch({"input_ids": ids}, 0, 4)
-    mask = torch.ones(2, 10)
-    mask[0, 8:] = 0
-    with pytest.raises(ValueError, match="padded batches"):
-        slice_batch({"input_ids": ids, "attention_mask": mask}, 0, 2)
     piece = slice_batch({"input_ids": ids, "attention_mask": torch.ones(2, 10)}, 1, 2)
     assert "attention_mask" not in piece.inputs and piece.inputs["position_ids"][0].tolist() == [5, 6, 7, 8, 9]
+    assert piece.mask is None  # plain causal: nothing to build
+
+
+def test_whole_sequence_masks_for_padding_and_packed_sequences():
+    import torch
+
+    from terascale.parallel.sequence.data import slice_batch
+
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    padding = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    mask = slice_batch({"input_ids": ids, "attention_mask": padding}, 0, 2).mask
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    assert mask.shape == (2, 1, 6, 6) and torch.equal(mask[1, 0], causal)
+    assert torch.equal(mask[0, 0, :4], causal[:4] & padding[0].bool())  # real queries skip padded keys
+    assert mask[0, 0, 5].tolist() == [True] * 4 + [False, False]  # a padded query: the real keys
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5]])  # two documents in row 0
+    mask = slice_batch({"input_ids": ids, "position_ids": packed}, 1, 2).mask
+    assert mask[0, 0, 4].tolist() == [False, False, False, True, True, False]
+    assert torch.equal(mask[1, 0], causal)

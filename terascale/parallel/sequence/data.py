@@ -32,19 +32,48 @@ IGNORE = -100
 @dataclass(frozen=True)
 class SequenceSlice:
     """One rank's slice of a micro-batch: ``inputs`` (every ``[b, S, ...]`` tensor cut on the
-    sequence dim, with global ``position_ids`` and next-token ``shift_labels``) and
-    ``num_targets``, the counted targets of the whole micro-batch."""
+    sequence dim, with global ``position_ids`` and next-token ``shift_labels``),
+    ``num_targets``, the counted targets of the whole micro-batch, and ``mask``, the whole
+    sequences' attention mask where it is not plain causal (see :func:`full_mask`)."""
 
     inputs: dict[str, Any]
     num_targets: int
+    mask: torch.Tensor | None = None
+
+
+def full_mask(attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> torch.Tensor | None:
+    """The boolean ``[b, 1, S, S]`` mask (True: attend) of whole sequences for a padding
+    ``attention_mask`` ([b, S], 0 at padding) or, without one, ``position_ids`` ([b, S])
+    that hold packed sequences, or None where it is plain causal. As Hugging Face's masks
+    read them, a packed sequence begins wherever a position is not its predecessor's plus
+    one. A query attends to earlier keys of its own sequence that are not padding; a
+    left-padding query has none, and its row stays empty, as in the model's own mask (the
+    attention kernel decides what such a row gives, the same split or whole)."""
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    length = position_ids.shape[-1]
+    document = None
+    if attention_mask is None:
+        step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+        document = (step != 1).cumsum(-1)
+        if not bool(document[:, -1].any()):
+            document = None
+    if not padded and document is None:
+        return None
+    index = torch.arange(length, device=position_ids.device)
+    mask = (index[None, :] <= index[:, None])[None].expand(position_ids.shape[0], length, length)
+    if document is not None:
+        mask = mask & (document[:, :, None] == document[:, None, :])
+    if padded:
+        mask = mask & attention_mask.bool()[:, None, :]
+    return mask[:, None]
 
 
 def slice_batch(batch: Mapping[str, Any], rank: int, sp: int, *, seq_dim: int = 1) -> SequenceSlice:
     """Cut ``batch`` (Hugging Face keyword inputs: ``input_ids``, optional ``labels``,
     ``position_ids``, ``attention_mask``) into ``sp`` slices of its sequence dim and return
     slice ``rank`` (see [Note: the loss under sequence parallelism]). ``labels`` are
-    replaced by ``shift_labels`` (shifted on the whole sequence); an all-ones
-    ``attention_mask`` is dropped (it says nothing), another is refused for now."""
+    replaced by ``shift_labels`` (shifted on the whole sequence); the ``attention_mask`` is
+    taken out and, with the position ids, becomes the whole sequences' ``mask``."""
     ids = batch["input_ids"]
     length = ids.shape[seq_dim]
     if length % sp:
@@ -53,11 +82,10 @@ def slice_batch(batch: Mapping[str, Any], rank: int, sp: int, *, seq_dim: int = 
             f"to a multiple of {sp}"
         )
     out = dict(batch)
-    mask = out.pop("attention_mask", None)
-    if mask is not None and not bool(mask.all()):
-        raise ValueError("sequence parallelism: padded batches (an attention_mask with zeros) are not supported yet")
-    if out.get("position_ids") is None:
+    attention_mask = out.pop("attention_mask", None)
+    if out.get("position_ids") is None:  # what the model makes without them, at full length
         out["position_ids"] = torch.arange(length, device=ids.device).expand(ids.shape[0], length)
+    mask = full_mask(attention_mask, out["position_ids"].expand(ids.shape[0], length)) if seq_dim == 1 else None
     num_targets = 0
     labels = out.pop("labels", None)
     if labels is not None and out.get("shift_labels") is None:
@@ -69,7 +97,7 @@ def slice_batch(batch: Mapping[str, Any], rank: int, sp: int, *, seq_dim: int = 
     for key, value in out.items():
         if isinstance(value, torch.Tensor) and value.dim() > seq_dim and value.shape[seq_dim] == length:
             out[key] = value.narrow(seq_dim, rank * size, size)
-    return SequenceSlice(out, num_targets)
+    return SequenceSlice(out, num_targets, mask)
 
 
 class _GlobalValue(torch.autograd.Function):

@@ -9,10 +9,13 @@ of its own, the model's attention wrapped in the Ulysses exchange
 process (an unsplit reference, say) keeps its own attention.
 
 After the exchange each rank attends over whole sequences, so masks made for the local
-slice do not apply: the plain causal mask is applied at full length (``is_causal`` for
-SDPA, an additive mask for eager attention). Position ids must be the global ones of the
-rank's slice (rotary embeddings read them). Padding masks and packed sequences are refused
-for now: their full-length masks need the gathered position ids (to be built).
+slice do not apply. The model's sliced forward (``terascale.parallel.sequence.model``)
+passes the whole sequences' mask down as the ``ulysses_mask`` keyword (None: plain causal,
+``is_causal`` for SDPA, an additive mask for eager attention), built from the whole batch's
+padding mask and position ids (packed sequences restart them:
+:func:`terascale.parallel.sequence.data.full_mask`); a sliding window (Mistral, Qwen2's
+sliding layers) is applied over the whole sequence too. Position ids must be the global
+ones of the rank's slice (rotary embeddings read them).
 """
 
 from __future__ import annotations
@@ -50,25 +53,28 @@ def use_ulysses_attention(model: nn.Module, group: ProcessGroup) -> str:
     return name
 
 
+MASK_KWARG = "ulysses_mask"  # the whole sequences' mask, passed down by the model's sliced forward
+
+
 def _ulysses(impl: str, group: ProcessGroup):
     sp = dist.get_world_size(group)
 
     def attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
-        if attention_mask is not None and not _is_plain_causal(attention_mask, query.shape[2]):
+        full = kwargs.pop(MASK_KWARG, _UNSET)
+        if full is _UNSET and attention_mask is not None and not _is_plain_causal(attention_mask, query.shape[2]):
             raise ValueError(
-                "sequence parallelism: this batch needs a padding or packed-sequence mask, which is not "
-                "supported yet; feed whole, unpadded sequences"
+                "sequence parallelism: this batch needs a padding or packed-sequence mask, which the model's "
+                "local mask cannot give after the exchange; call the model through terascale.initialize (its "
+                "forward builds the whole sequences' mask), or feed whole, unpadded sequences"
             )
+        full = None if full is _UNSET else full
         window = kwargs.pop("sliding_window", None)
-        if window is not None and window < sp * query.shape[2]:
-            raise ValueError(
-                f"sequence parallelism: sliding-window attention (window {window}) over sequences of "
-                f"{sp * query.shape[2]} positions is not supported yet"
-            )
         inner = _inner_attention(impl, module)
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            mask = None if impl == "sdpa" else _causal_mask(q.shape[2], q.dtype, q.device)
+            mask = _whole_mask(full, window, q.shape[2], q.device)
+            if impl != "sdpa":
+                mask = _additive(mask, q.shape[2], q.dtype, q.device)
             saved = module.num_key_value_groups
             module.num_key_value_groups = q.shape[1] // k.shape[1]  # the local ratio after the exchange
             try:
@@ -81,6 +87,28 @@ def _ulysses(impl: str, group: ProcessGroup):
         return out.transpose(1, 2).contiguous(), None
 
     return attention
+
+
+_UNSET = object()
+
+
+def _whole_mask(full: torch.Tensor | None, window: int | None, length: int, device: torch.device) -> torch.Tensor | None:
+    """The boolean [b|1, 1, S, S] mask over whole sequences (True: attend), or None for
+    plain causal attention: ``full`` (padding, packed sequences) and a sliding ``window``
+    (each query sees itself and the ``window - 1`` positions before it)."""
+    if window is None or window >= length:
+        return full
+    index = torch.arange(length, device=device)
+    near = (index[:, None] - index[None, :] < window) & (index[None, :] <= index[:, None])
+    return near[None, None] if full is None else full & near
+
+
+def _additive(mask: torch.Tensor | None, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The additive float mask eager attention takes: 0 where ``mask`` (default: causal)
+    allows, the dtype's lowest value elsewhere."""
+    if mask is None:
+        return _causal_mask(length, dtype, device)
+    return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
 
 
 def _inner_attention(impl: str, module: nn.Module):

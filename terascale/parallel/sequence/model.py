@@ -35,7 +35,7 @@ from torch.distributed import ProcessGroup
 from terascale.activation.tiled import tile_mlp, tiled_cross_entropy
 from terascale.parallel.sequence.attention import DistributedAttention
 from terascale.parallel.sequence.data import sequence_loss, sequence_mean, slice_batch
-from terascale.parallel.sequence.hf import use_ulysses_attention
+from terascale.parallel.sequence.hf import MASK_KWARG, use_ulysses_attention
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,8 @@ class _SequenceCausalLM:
         shift = inputs.pop("shift_labels", None)
         count = num_items if num_items is not None else part.num_targets
         inputs["use_cache"] = False
+        if self.sp > 1:
+            inputs[MASK_KWARG] = part.mask  # the attention's mask over whole sequences
         n_tiles = 0
         if shift is not None:
             ids = inputs["input_ids"]
