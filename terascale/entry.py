@@ -68,8 +68,12 @@ def initialize(
             "args with --config"
         )
     cfg = Config.load(source)
+    sequence_mpu = None
+    if mpu is not None and hasattr(mpu, "initialize_sequence_parallel"):  # DeepSpeed's marker
+        sequence_mpu, mpu = mpu, None
+        cfg = _adopt_sequence_mpu(cfg, sequence_mpu)
     mpu = model_parallel_unit(model, cfg, mpu)
-    dist_ctx = with_sequence_parallel(init_distributed(mpu), cfg.sp_size)
+    dist_ctx = with_sequence_parallel(init_distributed(mpu), cfg.sp_size, sequence_mpu)
     check_layout(model, cfg, dist_ctx)
     # [Note: the planner at initialize]: "auto" stage, offload, micro-batch and checkpointing
     # chosen (or an explicit plan checked) before anything big is allocated.
@@ -107,6 +111,19 @@ def initialize(
     engine = engine_class(prepared, cfg, dist_ctx, optimizer=optimizer, lr_scheduler=lr_scheduler,
                           training_dataloader=loader)  # fmt: skip
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _adopt_sequence_mpu(cfg: Config, mpu: Any) -> Config:
+    """``cfg`` for a DeepSpeed sequence-parallel ``mpu`` (DeepSpeed's ALST: its size; the
+    program's data loader cuts the batches, so the engine does not). Raises ``ValueError``
+    when the config names another size."""
+    size = int(mpu.get_sequence_parallel_world_size())
+    if cfg.sp_size > 1 and cfg.sp_size != size:
+        raise ValueError(
+            f"the mpu's sequence-parallel size is {size} but the config's sequence_parallel_size is {cfg.sp_size}; "
+            "make them agree"
+        )
+    return cfg.with_values(sequence_parallel_size=size).with_section("sequence_parallel", split_batches=False)
 
 
 def _log_config_notes(config: Config) -> None:

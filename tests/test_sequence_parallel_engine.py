@@ -263,3 +263,69 @@ def _masked_rank(case: str) -> None:
 @pytest.mark.parametrize("case", ["padding", "packed", "window"])
 def test_padding_packed_sequences_and_sliding_windows_split_exactly(case):
     run_ranks(_masked_rank, 2, case)
+
+
+def _rows() -> list[tuple]:
+    """Every sequence of :func:`_batches` in turn: (input_ids [S], labels [S])."""
+    return [(ids[i], labels[i]) for ((ids, labels),) in _batches(1) for i in range(2)]
+
+
+def _alst_program() -> tuple[list[float], dict]:
+    import torch
+    import torch.distributed as dist
+
+    import terascale as deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    UlyssesSPAttentionHF = deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF  # noqa: N806
+    UlyssesSPDataLoaderAdapter = deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter  # noqa: N806
+    groups = deepspeed.utils.groups
+    model = _model(2)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=model, core_attn_implementation="sdpa",
+                                                          sequence_parallel_size=2, micro_batch_size=1,
+                                                          seq_length=SEQ, seq_length_is_variable=True)  # fmt: skip
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+              "zero_optimization": {"stage": 3}, "sequence_parallel_size": 2}  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=model, config=config, mpu=mpu)
+    sp_group = groups._get_sequence_parallel_group()
+    sp_rank, sp_world = groups._get_sequence_parallel_rank(), groups._get_sequence_parallel_world_size()
+    assert sp_world == 2 and sp_group is engine.get_sequence_parallel_group()
+    rank = dist.get_rank()
+    rows = [{"input_ids": ids, "labels": labels, "position_ids": torch.arange(SEQ)} for ids, labels in _rows()]
+    loader = torch.utils.data.DataLoader(rows[rank::2], batch_size=1)  # each rank's own samples
+    adapter = UlyssesSPDataLoaderAdapter(loader, sp_rank=sp_rank, sp_group=sp_group, sp_world_size=sp_world,
+                                         device=torch.device("cpu"))  # fmt: skip
+    losses = []
+    for batch in adapter:  # rank 0's sample, then rank 1's, ...
+        shift = batch["shift_labels"]
+        out = engine(**batch, labels=shift)
+        good = (shift != -100).sum()
+        gathered = torch.distributed.nn.functional.all_gather(out.loss, group=sp_group)
+        goods = [torch.zeros_like(good) for _ in range(sp_world)]
+        dist.all_gather(goods, good, group=sp_group)
+        loss = sum(part * n for part, n in zip(gathered, goods) if n > 0) / sum(goods)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses, engine.full_state_dict()
+
+
+def test_deepspeed_alst_programs_run_with_one_changed_import():
+    import torch
+
+    results = run_ranks(_alst_program, 2)
+    # The reference: the unchanged model, SGD, the samples in the adapter's order (rank 0's
+    # first sample, rank 1's, rank 0's second, ...: the rows in order).
+    model = _model(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    want = []
+    for ids, labels in _rows():
+        opt.zero_grad()
+        loss = model(input_ids=ids[None], labels=labels[None]).loss
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    for losses, state in results:
+        assert losses == pytest.approx(want, rel=2e-5), (losses, want)
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(state[k], v, rtol=1e-4, atol=2e-6, msg=lambda m, k=k: f"{k}: {m}")

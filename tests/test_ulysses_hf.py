@@ -1,7 +1,7 @@
 """Hugging Face models with Ulysses attention over two ranks, each holding half of every
 sequence, against the unchanged model on whole sequences: the loss over all tokens and every
-parameter's gradient (summed over the sequence-parallel ranks), with and without GQA, SDPA
-and eager attention."""
+parameter's gradient (averaged over the sequence-parallel ranks, as the engine reduces
+them), with and without GQA, SDPA and eager attention."""
 
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ def _rank(name: str, impl: str) -> None:
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         grad = p.grad.clone()
         dist.all_reduce(grad)
+        grad /= sp  # the engine's average over the ranks holding the parameters
         torch.testing.assert_close(grad, q.grad, rtol=1e-4, atol=1e-6, msg=f"{name} {impl} {n}")
     assert ref.config._attn_implementation == impl  # the reference kept its own attention
 

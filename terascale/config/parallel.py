@@ -157,11 +157,15 @@ class SequenceParallelConfig(Section):
     ``tile_above`` tokens, and never without it. ``mlp_tiles``: tiles per MLP call
     (``"auto"``: the slice's length over the hidden size, rounded up, as DeepSpeed's
     ``TiledMLP`` recipe does); ``loss_tile_bytes``: the fp32 logits one loss tile may hold.
+    ``split_batches``: the engine's model cuts each whole batch into this rank's slice and
+    returns the whole batch's loss; off, the program feeds slices itself (DeepSpeed's ALST
+    data loader adapter) and gets the slice's loss.
     """
 
     size: int = Field(1, ge=1)
+    split_batches: bool = True
     tiled_mlp: bool | Literal["auto"] = "auto"
     tiled_loss: bool | Literal["auto"] = "auto"
     tile_above: int = Field(8192, ge=1)
     mlp_tiles: int | Literal["auto"] = "auto"
-    loss_tile_bytes: int = Field(256 << 20, ge=1)
+    loss_tile_bytes: int = Field(64 << 20, ge=1)

@@ -473,6 +473,13 @@ class Config(Section):
         cfg._raw = {**self._raw, **values}
         return cfg
 
+    def with_section(self, name: str, **values: Any) -> Config:
+        """This config with ``values`` set inside section ``name``, kept through a later
+        :meth:`resolve` as :meth:`with_values` keeps top-level ones."""
+        cfg = self.model_copy(update={name: getattr(self, name).model_copy(update=values)})
+        cfg._raw = {**self._raw, name: {**(self._raw.get(name) or {}), **values}}
+        return cfg
+
     def written(self, path: str) -> Any:
         """The value the config wrote at the dotted ``path`` (``"auto"`` included, as
         written), or None where it wrote nothing."""

@@ -153,7 +153,6 @@ class ReplicatedState:
         reduce_policy: ReducePolicy,
         device: torch.device,
         experts: ExpertLayout | None = None,
-        average_over: int | None = None,
     ) -> None:
         self.module = module
         materialize(module, precision.compute_dtype, device)  # a model built in zero.Init
@@ -162,9 +161,8 @@ class ReplicatedState:
         self._groups = self._masters.master_param_groups(param_groups)
         names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
         # Dense gradients are all-reduced over ``group``; each expert-parallel size's over its
-        # expert-data-parallel group, averaged over all of ``group`` ([Note: expert parameters])
-        # or over ``average_over`` data replicas ([Note: sequence-parallel groups]).
-        world = average_over or dist.get_world_size(group)
+        # expert-data-parallel group, averaged over all of ``group`` ([Note: expert parameters]).
+        world = dist.get_world_size(group)
         self._experts = experts or ExpertLayout()
         self.comm_stats = CommStats()  # bytes this rank has sent reducing gradients (dense and sparse)
         self._reductions: list[tuple[list[int], GradientBuckets, ExpertGroups | None]] = []

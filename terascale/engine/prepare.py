@@ -113,7 +113,8 @@ def prepare_model(
     broadcast_initial_values(module, dist_ctx, experts)
     sp = config.sequence_parallel
     apply_sequence_parallel(module, dist_ctx.sp_group,
-                            TilePolicy(sp.tiled_mlp, sp.tiled_loss, sp.tile_above, sp.mlp_tiles, sp.loss_tile_bytes))  # fmt: skip
+                            TilePolicy(sp.tiled_mlp, sp.tiled_loss, sp.tile_above, sp.mlp_tiles, sp.loss_tile_bytes),
+                            split_batches=sp.split_batches)  # fmt: skip
 
     if config.zero_optimization.tile_linear_above is not None:
         if isinstance(optimizer, torch.optim.Optimizer) or model_parameters is not None:
@@ -200,17 +201,16 @@ def build_model_state(
     """
     zero = config.zero_optimization
     sparse = sparse_gradient_params(module) if config.sparse_gradients else frozenset()
-    # Over the ranks holding the same parameters, averaged over the data replicas
-    # ([Note: sequence-parallel groups]; the same ranks without sequence parallelism).
-    group, replicas = dist_ctx.zero_group, dist_ctx.dp_world_size
+    # Over every rank holding the same parameters ([Note: sequence-parallel groups]).
+    group = dist_ctx.zero_group
     if zero.stage == 0:
         policy = ReducePolicy(**_reduction(config), accum_dtype=config.grad_accum_dtype, sparse_params=sparse)
-        return ReplicatedState(module, param_groups, precision, group, policy, dist_ctx.device, experts,
-                               average_over=replicas)  # fmt: skip
+        return ReplicatedState(module, param_groups, precision, group, policy, dist_ctx.device, experts)
     if zero.stage == 3 and zero.leaf_module:
         mark_leaf_modules(module, zero.leaf_module)
     options = zero_options(config, wrap_policy)
-    options = dataclasses.replace(options, grads=dataclasses.replace(options.grads, sparse_params=sparse, average_over=replicas))
+    if sparse:
+        options = dataclasses.replace(options, grads=dataclasses.replace(options.grads, sparse_params=sparse))
     return ShardedState(
         module,
         param_groups,

@@ -96,9 +96,6 @@ class GradPolicy:
     predivide_factor: float = 1.0
     sparse_gradients: bool = False  # the config's sparse_gradients; off: a sparse gradient is an error
     sparse_params: frozenset[str] = frozenset()  # names of parameters with row-sparse gradients
-    # Ranks the summed gradients are divided by; None: the reduction group's. Fewer under
-    # sequence parallelism ([Note: sequence-parallel groups]): only the data replicas.
-    average_over: int | None = None
 
 
 class FinalGradients(Protocol):
@@ -195,7 +192,6 @@ class ShardedGrads:
         # Gradients are averaged over ``group``; a group whose shards split over a subgroup
         # of it (an expert's: [Note: expert parameters]) is reduced over that subgroup.
         self.world = dist.get_world_size(group)
-        self.divisor = policy.average_over or self.world
         self._pgs = list(reduce_groups) if reduce_groups is not None else [group] * len(self.groups)
         assert len(self._pgs) == len(self.groups)
         self._ranks = [dist.get_rank(pg) for pg in self._pgs]
@@ -356,7 +352,7 @@ class ShardedGrads:
         else:
             comm = self._pack(g, flat)
             lo, hi = self._ranks[g] * sparse.chunk, (self._ranks[g] + 1) * sparse.chunk
-        pre = 1.0 / self.divisor if pol.prescale else 1.0 / pol.predivide_factor
+        pre = 1.0 / self.world if pol.prescale else 1.0 / pol.predivide_factor
         if pre != 1.0:
             comm.mul_(pre)
         size, pg = self._sizes[g], self._pgs[g]
@@ -418,7 +414,7 @@ class ShardedGrads:
         assert sparse is not None
         layout = self.groups[g].layout
         lo, hi = layout.shard_range(self._ranks[g])
-        post = 1.0 if pol.prescale else pol.predivide_factor / self.divisor
+        post = 1.0 if pol.prescale else pol.predivide_factor / self.world
         accumulate = pol.reduce_every_micro_step and self.swapper is None and self.shards[g] is not None
         if accumulate:
             out = self.shards[g]
@@ -465,7 +461,7 @@ class ShardedGrads:
         lo, hi = self.groups[g].layout.shard_range(self._ranks[g])
         reduced = item.comm[lo:hi]
         pol = self.policy
-        post = 1.0 if pol.prescale else pol.predivide_factor / self.divisor
+        post = 1.0 if pol.prescale else pol.predivide_factor / self.world
         if post != 1.0:
             reduced.mul_(post)
         flat = self._flat[g]

@@ -124,6 +124,9 @@ MODULES: dict[str, dict[str, str] | str] = {
     "moe.sharded_moe": {n: f"terascale.moe.layer:{n}" for n in ("TopKGate", "MOELayer")},
     "sequence": {},
     "sequence.layer": {"DistributedAttention": "terascale.parallel.sequence.attention:DistributedAttention"},
+    "runtime.sequence_parallel": {},
+    "runtime.sequence_parallel.ulysses_sp": {n: f"{_DS}.ulysses:{n}" for n in (
+        "UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter")},
     "constants": {n: f"{_UTILS}:{n}" for n in ("TORCH_DISTRIBUTED_DEFAULT_PORT", "CROSS_RANK", "CROSS_SIZE")},
     "env_report": {"main": f"{_UTILS}:env_report_main"},
 }
@@ -131,8 +134,8 @@ MODULES: dict[str, dict[str, str] | str] = {
 _NO_OPS = "terascale builds no C++/CUDA ops (DeepSpeed's op builders); its I/O engine is terascale.offload.AsyncIO"
 _INFERENCE = "DeepSpeed's inference engine (init_inference, kernel injection) is not built in terascale yet"
 _DATA_EFFICIENCY = "data efficiency (curriculum learning, random-LTD, data sampling) is not built yet"
-_ULYSSES = ("DeepSpeed-Ulysses sequence parallelism in the engine (the ALST runtime, FPDT) is not built yet; "
-            "deepspeed.sequence.layer.DistributedAttention is (terascale.parallel.sequence)")
+_ULYSSES = ("FPDT (DeepSpeed's chunked, offloaded Ulysses attention) is not built; Ulysses sequence parallelism is: "
+            "sequence_parallel_size in the config, tiled MLP and loss in its sequence_parallel section")
 _KERNELS = "DeepSpeed's fused transformer kernels are not built (terascale compiles no CUDA)"
 _ZERO_OPTIMIZERS = ("DeepSpeed's ZeRO optimizer wrapper classes: terascale's model state is not an optimizer "
                     "(engine.optimizer is the torch optimizer)")  # fmt: skip
@@ -157,7 +160,6 @@ REFUSED: dict[str, tuple[str, str]] = {
     "compression": ("feature", "compression (quantization-aware training, pruning) is not built yet"),
     "runtime.data_pipeline": ("feature", _DATA_EFFICIENCY),
     "sequence.fpdt_layer": ("feature", _ULYSSES),
-    "runtime.sequence_parallel": ("feature", _ULYSSES),
     "compile": ("feature", "DeepCompile (deepspeed.compile passes) is not built yet"),
     "runtime.domino": ("feature", "Domino (tensor-parallel communication overlap) is not built yet"),
     "io": ("feature", "DeepSpeed's FastFileWriter (deepspeed.io) is not built; checkpoints use their own writer"),

@@ -134,18 +134,32 @@ class ZeroParamStatus(enum.Enum):
     INFLIGHT = 3
 
 
-# terascale has no DeepSpeed-Ulysses sequence-parallel group: its sequence parallelism is
-# Megatron's, inside the tensor-parallel group. These answer as DeepSpeed does without one.
-def _get_sequence_parallel_group() -> None:
-    return None
+# DeepSpeed's process-wide group queries, answered from the live engine (the one engine of
+# a sequence-parallel run: ``sequence_parallel_size``); without one, as DeepSpeed does
+# without sequence parallelism.
+def _sequence_engine() -> Any:
+    from terascale.engine.deepspeed_api import live_engines
+
+    engines = [e for e in live_engines() if e.dist.sp_world_size > 1]
+    if len(engines) > 1:
+        raise ValueError("several live engines train with sequence parallelism: ask the engine itself "
+                         "(engine.get_sequence_parallel_group())")  # fmt: skip
+    return engines[0] if engines else None
+
+
+def _get_sequence_parallel_group() -> Any:
+    engine = _sequence_engine()
+    return None if engine is None else engine.dist.sp_group
 
 
 def _get_sequence_parallel_world_size() -> int:
-    return 1
+    engine = _sequence_engine()
+    return 1 if engine is None else engine.dist.sp_world_size
 
 
 def _get_sequence_parallel_rank() -> int:
-    return 0
+    engine = _sequence_engine()
+    return 0 if engine is None else engine.dist.sp_rank
 
 
 def PipeModelDataParallelTopology(num_pp: int, num_mp: int, num_dp: int) -> Any:  # noqa: N802 - DeepSpeed's name

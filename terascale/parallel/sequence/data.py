@@ -5,13 +5,17 @@ Each rank of a sequence-parallel group sees ``1 / P`` of every sequence, but the
 mean over every target token of the micro-batch, and a slice may hold more, fewer or no
 counted targets than another. So each rank sums its targets' losses and divides by the
 number of counted targets of the whole micro-batch, ``N``, known to every rank before the
-batch is cut (:func:`slice_batch`); the ranks' terms add up to the unsplit mean. Summing
-the ranks' gradients (the gradient reduction sums over the sequence-parallel ranks,
-averaging only over data-parallel replicas) gives the unsplit model's gradient.
-:func:`sequence_loss` returns each rank's term with the *value* of the whole mean, so the
-loss a program logs is the unsplit model's on every rank, while backward runs on the local
-term only. Next-token targets are shifted on the whole sequence before it is cut: shifted
-within a slice, the target of its last position (the next slice's first token) would be lost.
+batch is cut (:func:`slice_batch`); the ranks' terms add up to the unsplit mean, and so
+do their gradients. The engine reduces gradients as DeepSpeed does, averaging over every
+rank that holds the parameters, the sequence group's included ([Note: sequence-parallel
+groups]); so each rank's backward starts from ``P`` times its term, and the average over
+the group is the sum of the terms' gradients. (DeepSpeed's ALST recipe arrives at the same
+``P`` x term: the backward of its differentiable all-gather of the ranks' losses sums the
+group's gradients of the combined loss.) :func:`sequence_loss` returns that with the
+*value* of the whole mean, so the loss a program logs is the unsplit model's on every
+rank. Next-token targets are shifted on the whole sequence before it is cut: shifted
+within a slice, the target of its last position (the next slice's first token) would be
+lost.
 """
 
 from __future__ import annotations
@@ -101,15 +105,16 @@ def slice_batch(batch: Mapping[str, Any], rank: int, sp: int, *, seq_dim: int = 
 
 
 class _GlobalValue(torch.autograd.Function):
-    """``local``'s gradient with ``total``'s value."""
+    """``total``'s value; ``local``'s gradient times ``factor``."""
 
     @staticmethod
-    def forward(ctx, local: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, local: torch.Tensor, total: torch.Tensor, factor: int) -> torch.Tensor:
+        ctx.factor = factor
         return total.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, None
+        return grad * ctx.factor, None, None
 
 
 def sequence_loss(
@@ -128,12 +133,15 @@ def sequence_loss(
 def sequence_mean(summed: torch.Tensor, num_targets: int | torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """``summed`` (this rank's slice's summed losses, 0-d) over ``num_targets``, valued as
     the whole micro-batch's mean: the terms of every rank of ``group`` added up (None: one
-    rank); its gradient is this rank's term's. Collective over ``group``."""
+    rank); its gradient is this rank's term's times the group's size, for the engine's
+    average over the group ([Note: the loss under sequence parallelism]). Collective over
+    ``group``."""
     if isinstance(num_targets, torch.Tensor):
         local = summed / num_targets.to(summed.device).clamp(min=1)
     else:
         local = summed / max(num_targets, 1)
     total = local.detach().clone()
-    if group is not None and dist.get_world_size(group) > 1:
+    size = 1 if group is None else dist.get_world_size(group)
+    if size > 1:
         ops.all_reduce(total, group=group)
-    return _GlobalValue.apply(local, total)
+    return _GlobalValue.apply(local, total, size)

@@ -8,28 +8,38 @@ that read different samples. So a world of 4 at P = 2 has sequence groups [0, 1]
 and data replicas [0, 2], [1, 3].
 
 Every rank holds the same parameters, so ZeRO shards the model state over all of them
-(the *sequence x data-parallel* group, DeepSpeed's ``seq_data_parallel_group``), and the
-gradients are summed over it and divided by the data replicas only: the ranks of a
-sequence group each computed their slice's share of one loss ([Note: the loss under
-sequence parallelism]), which add up to that loss's gradient. The engine's data-parallel
-rank and size (batch arithmetic, samplers, ``dp_world_size``) stay those of the replicas:
-a sequence group reads one sample stream.
+(the *sequence x data-parallel* group, DeepSpeed's ``seq_data_parallel_group``) and
+averages the gradients over all of them, as DeepSpeed does: the loss of each rank of a
+sequence group carries the factor that makes that average the sum of the slices' shares
+([Note: the loss under sequence parallelism]). The engine's data-parallel rank and size
+(batch arithmetic, samplers, ``dp_world_size``) stay those of the replicas: a sequence
+group reads one sample stream.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from terascale.comm.groups import DistributedContext
 
 
-def with_sequence_parallel(ctx: DistributedContext, size: int) -> DistributedContext:
-    """``ctx`` with sequence-parallel groups of ``size`` consecutive ranks (see the note):
-    its data-parallel group becomes the data replicas, its ``sdp_group`` the ranks it held
-    before. Collective over the world (every rank calls it alike). Raises ``ValueError``
-    where ``size`` does not divide the ranks or model parallelism is on."""
+class SequenceGroups(Protocol):
+    """Sequence-parallel groups built beforehand (DeepSpeed's sequence-parallel mpu)."""
+
+    def get_sequence_parallel_group(self) -> ProcessGroup: ...
+
+    def get_data_parallel_group(self) -> ProcessGroup: ...
+
+
+def with_sequence_parallel(ctx: DistributedContext, size: int, built: SequenceGroups | None = None) -> DistributedContext:
+    """``ctx`` with sequence-parallel groups of ``size`` consecutive ranks (see the note),
+    or ``built``'s: its data-parallel group becomes the data replicas, its ``sdp_group``
+    the ranks it held before. Collective over the world (every rank calls it alike).
+    Raises ``ValueError`` where ``size`` does not divide the ranks or model parallelism is on."""
     if size == 1:
         return ctx
     if ctx.mp_world_size > 1 or ctx.pp_world_size > 1:
@@ -44,11 +54,15 @@ def with_sequence_parallel(ctx: DistributedContext, size: int) -> DistributedCon
             f"sequence_parallel_size {size} does not divide the {world} ranks; run on a multiple of {size} "
             f"ranks or choose a size that divides {world}"
         )
-    ranks = dist.get_process_group_ranks(ctx.dp_group)
-    sequence_lists = [ranks[i : i + size] for i in range(0, world, size)]
-    replica_lists = [ranks[j::size] for j in range(size)]
-    sp_group, _ = dist.new_subgroups_by_enumeration(sequence_lists)
-    replicas, _ = dist.new_subgroups_by_enumeration(replica_lists)
+    if built is not None:
+        sp_group, replicas = built.get_sequence_parallel_group(), built.get_data_parallel_group()
+    else:
+        ranks = dist.get_process_group_ranks(ctx.dp_group)
+        sequence_lists = [ranks[i : i + size] for i in range(0, world, size)]
+        replica_lists = [ranks[j::size] for j in range(size)]
+        sp_group, _ = dist.new_subgroups_by_enumeration(sequence_lists)
+        replicas, _ = dist.new_subgroups_by_enumeration(replica_lists)
+    assert dist.get_world_size(sp_group) == size
     return dataclasses.replace(
         ctx,
         dp_group=replicas,

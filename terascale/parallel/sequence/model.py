@@ -49,7 +49,7 @@ class TilePolicy:
     loss: bool | Literal["auto"] = "auto"
     above: int = 8192
     mlp_tiles: int | Literal["auto"] = "auto"
-    loss_tile_bytes: int = 256 << 20
+    loss_tile_bytes: int = 64 << 20
 
     def _on(self, switch: bool | str, length: int, sp: int) -> bool:
         return switch is True or (switch == "auto" and sp > 1 and length >= self.above)
@@ -72,17 +72,23 @@ class TilePolicy:
         return self.mlp is True or self.loss is True
 
 
-def apply_sequence_parallel(module: nn.Module, group: ProcessGroup | None, tiles: TilePolicy) -> None:
+def apply_sequence_parallel(
+    module: nn.Module, group: ProcessGroup | None, tiles: TilePolicy, *, split_batches: bool = True
+) -> None:
     """Make ``module`` train on sequence slices over ``group`` (None: no sequence
-    parallelism) with ``tiles``' tiling, in place (see the module docstring). Raises
+    parallelism) with ``tiles``' tiling, in place (see the module docstring). Without
+    ``split_batches`` the program feeds each rank its slices (DeepSpeed's ALST data loader
+    adapter) and computes the loss: only the attention (and the MLP tiling) change. Raises
     ``ValueError`` where its attention cannot be found or split."""
     sp = 1 if group is None else dist.get_world_size(group)
     if _is_causal_lm(module):
         if sp > 1:
             _check_heads(module, sp)
             use_ulysses_attention(module, group)
-        if sp > 1 or tiles.ever:
+        if split_batches and (sp > 1 or tiles.ever):
             _SequenceCausalLM(module, group, tiles)
+        elif tiles.mlp is not False:
+            _tile_mlps(module, tiles, sp)
         return
     if sp == 1:
         return
@@ -97,6 +103,13 @@ def apply_sequence_parallel(module: nn.Module, group: ProcessGroup | None, tiles
     for wrapper in wrappers:
         if wrapper.spg is None:
             wrapper.spg = group
+
+
+def _tile_mlps(model: nn.Module, tiles: TilePolicy, sp: int) -> None:
+    """Each decoder MLP (a ``*.mlp`` module) computed in sequence tiles when ``tiles`` says so."""
+    for name, child in model.named_modules():
+        if name.endswith(".mlp") and not isinstance(child, nn.Linear):
+            tile_mlp(child, lambda x: tiles.mlp_count(x, sp))
 
 
 def _check_heads(model: nn.Module, sp: int) -> None:
@@ -132,9 +145,7 @@ class _SequenceCausalLM:
         self.signature = inspect.signature(self.inner)
         self.base = getattr(model, model.base_model_prefix)
         if tiles.mlp is not False:
-            for name, child in model.named_modules():
-                if name.endswith(".mlp") and not isinstance(child, nn.Linear):
-                    tile_mlp(child, lambda x: tiles.mlp_count(x, self.sp))
+            _tile_mlps(model, tiles, self.sp)
         head = model.lm_head
         linear = head.forward
 
