@@ -211,7 +211,11 @@ def run(args: argparse.Namespace, system: str, seq: int, steps: int) -> dict:
         cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, "worker",
                f"--system={system}", f"--result={result}", f"--seq={seq}", f"--steps={steps}",
                f"--budget-gib={args.budget_gib}", f"--layers={args.layers}"]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        # Blocks from 1 MiB up are mapped and returned when freed: glibc's heap would
+        # otherwise keep each size of transient it served (its mapping threshold grows to
+        # 32 MiB), and the resident size would count what training once used, not what it
+        # holds (a GPU's caching allocator reuses blocks instead). The same for every system.
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "1048576"}
         if system.startswith("deepspeed"):
             env.update(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR="/tmp/peers-ext")
         t0 = time.time()

@@ -329,3 +329,29 @@ def test_deepspeed_alst_programs_run_with_one_changed_import():
         assert losses == pytest.approx(want, rel=2e-5), (losses, want)
         for k, v in model.state_dict().items():
             torch.testing.assert_close(state[k], v, rtol=1e-4, atol=2e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _tiled_alone_rank() -> None:
+    """Tiling without sequence parallelism: a left-padded batch keeps the model's own mask."""
+    import torch
+
+    import terascale
+    from terascale.comm import init_distributed
+
+    init_distributed()
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    pad = torch.ones(2, SEQ, dtype=torch.long)
+    pad[0, :9] = 0
+    labels = ids.masked_fill(pad == 0, -100)
+    ref = _model(2)
+    want = ref(input_ids=ids, attention_mask=pad, labels=labels, use_cache=False).loss
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+              "sequence_parallel": {"tiled_mlp": True, "tiled_loss": True, "mlp_tiles": 3, "loss_tile_bytes": 4096}}  # fmt: skip
+    engine, *_ = terascale.initialize(model=_model(2), config=config)
+    out = engine(input_ids=ids, attention_mask=pad, labels=labels)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss.item(), want.item(), rtol=2e-5, atol=1e-6)
+
+
+def test_tiling_without_sequence_parallelism_keeps_the_padding_mask():
+    run_ranks(_tiled_alone_rank, 1)

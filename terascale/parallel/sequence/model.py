@@ -66,6 +66,10 @@ class TilePolicy:
             return 0
         return max(1, math.ceil(batch * length * vocab * 4 / self.loss_tile_bytes))
 
+    def tiles_mlps(self, sp: int) -> bool:
+        """Whether MLP calls may be tiled at sequence-parallel size ``sp``."""
+        return self.mlp is True or (self.mlp == "auto" and sp > 1)
+
     @property
     def ever(self) -> bool:
         """Whether tiling can turn on without sequence parallelism."""
@@ -87,9 +91,15 @@ def apply_sequence_parallel(
             use_ulysses_attention(module, group)
         if split_batches and (sp > 1 or tiles.ever):
             _SequenceCausalLM(module, group, tiles)
-        elif tiles.mlp is not False:
+        elif tiles.tiles_mlps(sp):
             _tile_mlps(module, tiles, sp)
         return
+    if tiles.ever:
+        raise ValueError(
+            f"sequence_parallel.tiled_mlp / tiled_loss tile a Hugging Face causal LM's MLPs and loss; "
+            f"{type(module).__name__} is not one: tile your own with terascale.activation.tiled.tile_mlp and "
+            "tiled_cross_entropy, and set both options to false or \"auto\""
+        )
     if sp == 1:
         return
     wrappers = [m for m in module.modules() if isinstance(m, DistributedAttention)]
@@ -144,7 +154,7 @@ class _SequenceCausalLM:
         self.inner = model.forward  # the class's, bound
         self.signature = inspect.signature(self.inner)
         self.base = getattr(model, model.base_model_prefix)
-        if tiles.mlp is not False:
+        if tiles.tiles_mlps(self.sp):
             _tile_mlps(model, tiles, self.sp)
         head = model.lm_head
         linear = head.forward
@@ -177,6 +187,8 @@ class _SequenceCausalLM:
         inputs["use_cache"] = False
         if self.sp > 1:
             inputs[MASK_KWARG] = part.mask  # the attention's mask over whole sequences
+        elif "attention_mask" in batch:  # whole sequences (tiling alone): the model's own mask
+            inputs["attention_mask"] = batch["attention_mask"]
         n_tiles = 0
         if shift is not None:
             ids = inputs["input_ids"]
