@@ -24,7 +24,9 @@ per run):
 per-rank budget (``--budget-gib``: a watchdog stops the rank there, so the machine never
 swaps), recording each rank's peak (``VmHWM`` from the first step on) and the step time;
 ``speed`` interleaves repeats of a few steps at one length for the step-time ratios, per
-token (the baseline's two ranks train two sequences a step, the split systems one).
+token (the baseline's two ranks train a sequence each a step; ``--batch 2`` gives the split
+systems the same two sequences a step, so the step's fixed costs, gathering and updating the
+parameters, are spread over as many tokens).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stop", type=int, default=16384, help="ladder: the last length tried")
     p.add_argument("--budget-gib", type=float, default=3.0, help="resident memory a rank may use")
     p.add_argument("--steps", type=int, default=2, help="steps a run (ladder: the last is timed)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="sequences a step for the split systems (speed: 2, the baseline's two ranks' worth)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--layers", type=int, default=10)
     p.add_argument("--json", default="runs/bench/long_context.json")
@@ -72,8 +76,8 @@ def _config(layers: int):
     return config
 
 
-def _ds_config(system: str) -> dict:
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+def _ds_config(system: str, batch: int) -> dict:
+    config = {"train_micro_batch_size_per_gpu": 1 if system == "baseline" else batch, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "gradient_clipping": 1e9,  # norms, never clipped
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}  # fmt: skip
     if system.startswith("sp2") or system.startswith("deepspeed"):
@@ -117,7 +121,7 @@ def worker(args: argparse.Namespace) -> None:
     threading.Thread(target=_watch, args=(int(args.budget_gib * 2**30), result, rank), daemon=True).start()
     seq = args.seq
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, VOCAB, (args.steps, 2, seq), generator=g)
+    tokens = torch.randint(0, VOCAB, (args.steps, max(2, args.batch), seq), generator=g)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(_config(args.layers))
     times, losses = [], []
@@ -144,12 +148,12 @@ norms: list[float] = []  # each step's global gradient norm (this process's)
 def _terascale_steps(args, model, tokens):
     import terascale
 
-    engine, *_ = terascale.initialize(model=model, config=_ds_config(args.system))
-    # The baseline's ranks train sequences of their own; a sequence group shares one.
-    row = engine.get_data_parallel_rank() if args.system == "baseline" else 0
+    engine, *_ = terascale.initialize(model=model, config=_ds_config(args.system, args.batch))
+    # The baseline's ranks train sequences of their own; a sequence group shares its batch.
+    rows = slice(r := engine.get_data_parallel_rank(), r + 1) if args.system == "baseline" else slice(0, args.batch)
 
     def step(s: int) -> float:
-        ids = tokens[s, row : row + 1]
+        ids = tokens[s, rows]
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
@@ -172,21 +176,26 @@ def _deepspeed_steps(args, model, tokens):
     deepspeed.init_distributed(dist_backend="gloo")
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=2,
-        micro_batch_size=1, seq_length=seq, seq_length_is_variable=True,
+        micro_batch_size=args.batch, seq_length=seq, seq_length_is_variable=True,
     )  # fmt: skip
-    engine, *_ = deepspeed.initialize(model=model, config=_ds_config(args.system), mpu=mpu)
+    engine, *_ = deepspeed.initialize(model=model, config=_ds_config(args.system, args.batch), mpu=mpu)
     sp_group = groups._get_sequence_parallel_group()
     sp_rank, sp_world = groups._get_sequence_parallel_rank(), groups._get_sequence_parallel_world_size()
-    rows = [{"input_ids": tokens[s, 0], "labels": tokens[s, 0], "position_ids": torch.arange(seq)} for s in range(args.steps)]
-    # Each sp rank's loader yields its own samples; the adapter gathers them and runs rank
-    # 0's, then rank 1's: the same sequence of samples as the other systems'.
-    loader = torch.utils.data.DataLoader(rows[sp_rank::sp_world], batch_size=1)
+    rows = [{"input_ids": tokens[s, i], "labels": tokens[s, i], "position_ids": torch.arange(seq)}
+            for s in range(args.steps) for i in range(args.batch)]  # fmt: skip
+    # Each sp rank's loader yields its own batches; the adapter gathers them and runs rank
+    # 0's, then rank 1's: the same sequence of batches as the other systems'.
+    per_step = [rows[i : i + args.batch] for i in range(0, len(rows), args.batch)]
+    mine = [row for batch in per_step[sp_rank::sp_world] for row in batch]
+    loader = torch.utils.data.DataLoader(mine, batch_size=args.batch)
     batches = iter(UlyssesSPDataLoaderAdapter(loader, sp_rank=sp_rank, sp_group=sp_group, sp_world_size=sp_world,
                                               device=torch.device("cpu")))  # fmt: skip
 
     def step(s: int) -> float:
         batch = next(batches)
-        shift = batch["shift_labels"]
+        # DeepSpeed's adapter slices [b, S] rows without copying: with b > 1 the labels are
+        # not contiguous and Hugging Face's loss cannot view them flat.
+        shift = batch["shift_labels"] = batch["shift_labels"].contiguous()
         out = engine(**batch, labels=shift)  # as the Trainer's ALST loss does: labels reach the loss branch
         good = (shift != -100).sum()
         losses = torch.distributed.nn.functional.all_gather(out.loss, group=sp_group)
@@ -210,7 +219,7 @@ def run(args: argparse.Namespace, system: str, seq: int, steps: int) -> dict:
         python = args.peers_python if system.startswith("deepspeed") else sys.executable
         cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, "worker",
                f"--system={system}", f"--result={result}", f"--seq={seq}", f"--steps={steps}",
-               f"--budget-gib={args.budget_gib}", f"--layers={args.layers}"]  # fmt: skip
+               f"--budget-gib={args.budget_gib}", f"--layers={args.layers}", f"--batch={args.batch}"]  # fmt: skip
         # Blocks from 1 MiB up are mapped and returned when freed: glibc's heap would
         # otherwise keep each size of transient it served (its mapping threshold grows to
         # 32 MiB), and the resident size would count what training once used, not what it
@@ -256,7 +265,7 @@ def speed(args: argparse.Namespace, systems: list[str]) -> list[dict]:
             if not out.get("times"):
                 print(f"{system}: {out.get('error', 'did not fit')}", file=sys.stderr)
                 continue
-            per_token = statistics.median(out["times"][1:]) / (args.seq * (2 if system == "baseline" else 1))
+            per_token = statistics.median(out["times"][1:]) / (args.seq * (2 if system == "baseline" else args.batch))
             print(f"repeat {r} {system:14s} {statistics.median(out['times'][1:]):7.2f} s/step "
                   f"{per_token * 1e6:8.1f} us/token  loss {out['losses'][-1]:.4f}", file=sys.stderr, flush=True)  # fmt: skip
     return rows
@@ -297,7 +306,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"unknown systems {unknown}; choose from {SYSTEMS}")
     out = Path(args.json)
     saved = json.loads(out.read_text()) if out.exists() else {}
-    saved[args.mode] = ladder(args, systems) if args.mode == "ladder" else speed(args, systems)
+    if args.mode == "ladder":  # merged with the lengths measured before
+        rows = {(r["system"], r["seq"]): r for r in saved.get("ladder", []) + ladder(args, systems)}
+        saved["ladder"] = sorted(rows.values(), key=lambda r: (SYSTEMS.index(r["system"]), r["seq"]))
+    else:
+        saved["speed"] = speed(args, systems)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(saved, indent=1) + "\n")
     print(f"wrote {out}", file=sys.stderr)

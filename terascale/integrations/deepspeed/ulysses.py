@@ -165,6 +165,8 @@ class UlyssesSPDataLoaderAdapter:
         out = {}
         for key, value in batch.items():
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length:
-                value = value.narrow(1, self.sp_rank * size, size)
+                # A copy: with several rows a slice is not contiguous, and the model's loss
+                # views the labels flat.
+                value = value.narrow(1, self.sp_rank * size, size).contiguous()
             out[key] = value.to(self.device) if isinstance(value, torch.Tensor) else value
         return out
