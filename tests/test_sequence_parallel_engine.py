@@ -96,8 +96,8 @@ def _sp_rank(sp: int, stage: int, kv_heads: int, extra: dict | None = None) -> d
     return {"stage": stage}
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("stage, kv_heads", [(0, 4), (3, 4), (3, 2), pytest.param(0, 2, marks=pytest.mark.slow)],
+                         ids=["mha-0", "mha-3", "gqa-3", "gqa-0"])  # fmt: skip
 def test_sequence_parallel_llama_equals_one_process(stage, kv_heads):
     run_ranks(_sp_rank, 2, 2, stage, kv_heads)
 
