@@ -355,3 +355,68 @@ def _tiled_alone_rank() -> None:
 
 def test_tiling_without_sequence_parallelism_keeps_the_padding_mask():
     run_ranks(_tiled_alone_rank, 1)
+
+
+class _OwnModel:
+    """A program's own causal LM whose attention is DeepSpeed's DistributedAttention with
+    no group (``initialize`` gives it the engine's), built lazily inside the ranks."""
+
+    @staticmethod
+    def build(split: bool):
+        import torch
+        import torch.nn.functional as F
+        from torch import nn
+
+        from terascale.parallel.sequence import attention
+
+        class Net(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                torch.manual_seed(0)
+                self.embed = nn.Embedding(VOCAB, 32)
+                self.qkv = nn.Linear(32, 96)
+                self.out = nn.Linear(32, 32)
+                self.head = nn.Linear(32, VOCAB)
+                local = lambda q, k, v: F.scaled_dot_product_attention(  # noqa: E731  [b, s, h, d] in and out
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
+                self.attn = attention.DistributedAttention(local, None, scatter_idx=2, gather_idx=1) if split else None
+                self.local = local
+
+            def forward(self, ids):
+                x = self.embed(ids)
+                q, k, v = self.qkv(x).view(*ids.shape, 3, 4, 8).unbind(2)
+                ctx = self.attn(q, k, v) if self.attn is not None else self.local(q, k, v)
+                return self.head(x + self.out(ctx.flatten(2)))
+
+        return Net()
+
+
+def _own_model_rank() -> None:
+    import torch
+
+    import terascale
+    from terascale.comm import init_distributed
+    from terascale.parallel.sequence import sequence_loss, slice_batch
+
+    init_distributed()
+    ((ids, labels),) = _batches(1)[0]
+    ref = _OwnModel.build(split=False)
+    logits = ref(ids)
+    want = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "sequence_parallel_size": 2}  # fmt: skip
+    engine, *_ = terascale.initialize(model=_OwnModel.build(split=True), config=config)
+    part = slice_batch({"input_ids": ids, "labels": labels}, engine.get_sequence_parallel_rank(), 2)
+    out = engine(part.inputs["input_ids"])
+    loss = sequence_loss(out, part.inputs["shift_labels"], part.num_targets, engine.get_sequence_parallel_group())
+    torch.testing.assert_close(loss.item(), want.item(), rtol=2e-5, atol=1e-6)
+    want.backward()
+    engine.backward(loss)
+    engine.step()  # SGD: the update is -lr x the gradient, which must be the unsplit one
+    got = engine.full_state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach() - 0.1 * p.grad, rtol=1e-4, atol=2e-6, msg=name)
+
+
+def test_a_programs_own_attention_through_distributed_attention():
+    run_ranks(_own_model_rank, 2)

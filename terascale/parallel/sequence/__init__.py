@@ -6,3 +6,8 @@ Not to be confused with Megatron's sequence parallelism inside tensor parallelis
 (``terascale.parallel.tensor``: norms and dropout on sequence slices between the
 tensor-parallel layers), which splits activations, not attention.
 """
+
+from terascale.parallel.sequence.attention import DistributedAttention, ulysses_attention
+from terascale.parallel.sequence.data import sequence_loss, slice_batch
+
+__all__ = ["DistributedAttention", "sequence_loss", "slice_batch", "ulysses_attention"]
