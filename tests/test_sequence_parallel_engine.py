@@ -420,3 +420,27 @@ def _own_model_rank() -> None:
 
 def test_a_programs_own_attention_through_distributed_attention():
     run_ranks(_own_model_rank, 2)
+
+
+def _loader_rank() -> list:
+    import torch
+
+    import terascale
+    from terascale.comm import init_distributed
+
+    init_distributed()
+    data = [{"input_ids": torch.full((SEQ,), i), "labels": torch.full((SEQ,), i)} for i in range(16)]
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "sequence_parallel_size": 2}  # fmt: skip
+    engine, _, loader, _ = terascale.initialize(model=_model(2), config=config, training_data=data)
+    assert engine.train_batch_size() == 2 * 2  # micro 2 x 2 data replicas
+    batches = [b["input_ids"][:, 0].tolist() for b, _ in zip(loader, range(2))]
+    engine.backward(engine(**next(iter(loader))).loss)  # trains on what the loader gives
+    engine.step()
+    return batches
+
+
+def test_the_ranks_of_a_sequence_group_read_the_same_samples():
+    seen = run_ranks(_loader_rank, 4)
+    assert seen[0] == seen[1] and seen[2] == seen[3]  # sequence groups [0, 1], [2, 3]
+    assert not set(sum(seen[0], [])) & set(sum(seen[2], []))  # the replicas read different samples

@@ -220,7 +220,11 @@ def plan_for_initialize(
     autos = tuple(p for p in cfg.auto_keys if p in PLANNED and p not in (given or {}))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     # An explicit config that the check may refuse is measured too, so that its peak is known.
-    measure = bool(autos) or cfg.planner.refuse_explicit
+    # Not under sequence parallelism: the sample would run whole sequences on one rank (the
+    # very thing that does not fit), and the engine's model runs slices of them.
+    measure = (bool(autos) or cfg.planner.refuse_explicit) and cfg.sp_size == 1
+    if cfg.sp_size > 1 and training_data is not None and rank == 0:
+        logger.info("planner: activations are not measured under sequence parallelism; model states are checked")
     sample = first_sample(training_data, collate_fn) if measure else None
     if sample is not None:
         device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
