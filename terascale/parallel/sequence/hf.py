@@ -42,8 +42,9 @@ def use_ulysses_attention(model: nn.Module, group: ProcessGroup) -> str:
     impl = getattr(config, "_attn_implementation", None)
     if impl not in _SUPPORTED:
         raise ValueError(
-            f"sequence parallelism wraps the model's attention, which must be one of {_SUPPORTED} on this machine; "
-            f"{type(model).__name__} uses {impl!r} (load it with attn_implementation='sdpa')"
+            f"sequence parallelism wraps the model's attention, which must be one of {_SUPPORTED} (flash-attention "
+            f"under sequence parallelism is not built yet); {type(model).__name__} uses {impl!r}: load it with "
+            "attn_implementation='sdpa'"
         )
     attention = _ulysses(impl, group)
     name = f"terascale_ulysses_{impl}_{id(group)}"
