@@ -23,7 +23,6 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -58,8 +57,6 @@ MASK_KWARG = "ulysses_mask"  # the whole sequences' mask, passed down by the mod
 
 
 def _ulysses(impl: str, group: ProcessGroup):
-    sp = dist.get_world_size(group)
-
     def attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
         full = kwargs.pop(MASK_KWARG, _UNSET)
         if full is _UNSET and attention_mask is not None and not _is_plain_causal(attention_mask, query.shape[2]):
