@@ -260,7 +260,8 @@ def _hf_rank(stage: int, arch: str) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+# GPT-2 trains under every stage in test_arch_sweep too: its run here is in the slow tail.
+@pytest.mark.parametrize("arch", [pytest.param("gpt2", marks=pytest.mark.slow), "llama"])
 def test_hf_models_train_unmodified_at_every_stage(arch):
     pytest.importorskip("transformers")
     ref = run_ranks(_hf_rank, 2, 0, arch)
