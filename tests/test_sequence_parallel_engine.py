@@ -214,7 +214,7 @@ def test_sizes_that_do_not_split_are_refused_naming_the_numbers():
 def _masked_rank(case: str) -> None:
     """One SGD step at sp 2 on a batch whose attention is not plain causal, against the
     unchanged model: left padding (sdpa), packed sequences (eager), Mistral's sliding window
-    shorter than the sequence."""
+    shorter than the sequence; and Qwen2 with one key/value head (eager) on a plain batch."""
     import torch
     import transformers
 
@@ -227,9 +227,11 @@ def _masked_rank(case: str) -> None:
         torch.manual_seed(0)
         if case == "window":
             config = transformers.MistralConfig(**LLAMA, num_key_value_heads=2, sliding_window=8)
+        elif case == "qwen2-mqa":  # one key/value head, repeated for the two ranks
+            config = transformers.Qwen2Config(**LLAMA, num_key_value_heads=1)
         else:
             config = transformers.LlamaConfig(**LLAMA, num_key_value_heads=2)
-        config._attn_implementation = "eager" if case == "packed" else "sdpa"
+        config._attn_implementation = "eager" if case in ("packed", "qwen2-mqa") else "sdpa"
         return type(transformers.AutoModelForCausalLM.from_config(config))(config).float()
 
     g = torch.Generator().manual_seed(6)
@@ -260,7 +262,7 @@ def _masked_rank(case: str) -> None:
         torch.testing.assert_close(got[k], v, rtol=1e-4, atol=2e-6, msg=lambda m, k=k: f"{case} {k}: {m}")
 
 
-@pytest.mark.parametrize("case", ["padding", "packed", "window"])
+@pytest.mark.parametrize("case", ["padding", "packed", "window", "qwen2-mqa"])
 def test_padding_packed_sequences_and_sliding_windows_split_exactly(case):
     run_ranks(_masked_rank, 2, case)
 
