@@ -118,12 +118,7 @@ def _adopt_sequence_mpu(cfg: Config, mpu: Any) -> Config:
     program's data loader cuts the batches, so the engine does not). Raises ``ValueError``
     when the config names another size."""
     size = int(mpu.get_sequence_parallel_world_size())
-    if cfg.sp_size > 1 and cfg.sp_size != size:
-        raise ValueError(
-            f"the mpu's sequence-parallel size is {size} but the config's sequence_parallel_size is {cfg.sp_size}; "
-            "make them agree"
-        )
-    return cfg.with_values(sequence_parallel_size=size).with_section("sequence_parallel", split_batches=False)
+    return cfg.with_sp_size(size, "the mpu's sequence-parallel size").with_section("sequence_parallel", split_batches=False)
 
 
 def _log_config_notes(config: Config) -> None:

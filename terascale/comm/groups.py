@@ -76,8 +76,8 @@ class DistributedContext:
 
     @property
     def zero_group(self) -> ProcessGroup:
-        """The ranks holding the same parameters: ZeRO shards the model state over them and
-        reduces gradients over them (averaging over the ``dp_world_size`` data replicas)."""
+        """The ranks holding the same parameters: ZeRO shards the model state over them,
+        and gradients are averaged over them ([Note: sequence-parallel groups])."""
         return self.sdp_group if self.sdp_group is not None else self.dp_group
 
 

@@ -393,6 +393,16 @@ class Config(Section):
         """The sequence-parallel size asked for (1: none), by either spelling."""
         return max(self.sequence_parallel_size, self.sequence_parallel.size)
 
+    def with_sp_size(self, size: int, given_by: str) -> Config:
+        """This config with sequence-parallel size ``size``, which ``given_by`` (an mpu, the
+        Trainer's arguments) asks for; raises ``ValueError`` when the config names another."""
+        if self.sp_size > 1 and self.sp_size != size:
+            raise ValueError(
+                f"{given_by} is {size} but the config's sequence-parallel size is {self.sp_size}; make them agree "
+                "(or give it in one place)"
+            )
+        return self.with_values(sequence_parallel_size=size)
+
     @model_validator(mode="after")
     def _one_precision(self) -> Config:
         if self.fp16.enabled and self.bf16.enabled:

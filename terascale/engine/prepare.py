@@ -112,9 +112,9 @@ def prepare_model(
         )
     broadcast_initial_values(module, dist_ctx, experts)
     sp = config.sequence_parallel
-    apply_sequence_parallel(module, dist_ctx.sp_group,
-                            TilePolicy(sp.tiled_mlp, sp.tiled_loss, sp.tile_above, sp.mlp_tiles, sp.loss_tile_bytes),
-                            split_batches=sp.split_batches)  # fmt: skip
+    tiles = TilePolicy(mlp=sp.tiled_mlp, loss=sp.tiled_loss, above=sp.tile_above, mlp_tiles=sp.mlp_tiles,
+                       loss_tile_bytes=sp.loss_tile_bytes)  # fmt: skip
+    apply_sequence_parallel(module, dist_ctx.sp_group, tiles, split_batches=sp.split_batches)
 
     if config.zero_optimization.tile_linear_above is not None:
         if isinstance(optimizer, torch.optim.Optimizer) or model_parameters is not None:

@@ -355,14 +355,7 @@ def _with_trainer_sequence_parallel(config: Config, args: Any) -> Config:
     asks for ([Note: sequence parallelism under the Trainer]); raises ``ValueError`` when
     the config says another."""
     sp = int(getattr(getattr(args, "parallelism_config", None), "sp_size", None) or 1)
-    if sp <= 1:
-        return config
-    if config.sp_size > 1 and config.sp_size != sp:
-        raise ValueError(
-            f"TrainingArguments.parallelism_config.sp_size is {sp} but the config's sequence-parallel size is "
-            f"{config.sp_size}; make them agree (or give it in one place)"
-        )
-    return config.with_values(sequence_parallel_size=sp)
+    return config if sp <= 1 else config.with_sp_size(sp, "TrainingArguments.parallelism_config.sp_size")
 
 
 def _training_arguments(base: type) -> type:

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from terascale.comm import ops
-from terascale.parallel.sequence.data import IGNORE
+from terascale.parallel.sequence.data import cut_sequences
+from terascale.parallel.sequence.groups import sequence_groups
 
 
 class SequenceParallelMpu:
@@ -45,8 +46,7 @@ class SequenceParallelMpu:
                 f"sequence_parallel_size {size} does not divide the {world} ranks; run on a multiple of {size} ranks"
             )
         self.size = size
-        self._sp_group, _ = dist.new_subgroups_by_enumeration([list(range(i, i + size)) for i in range(0, world, size)])
-        self._dp_group, _ = dist.new_subgroups_by_enumeration([list(range(j, world, size)) for j in range(size)])
+        self._sp_group, self._dp_group = sequence_groups(list(range(world)), size)
 
     def initialize_sequence_parallel(self, sequence_parallel_size: int) -> None:
         """DeepSpeed's marker of a sequence-parallel mpu; the groups exist already."""
@@ -153,20 +153,7 @@ class UlyssesSPDataLoaderAdapter:
                 yield self._slice(sample)
 
     def _slice(self, batch: dict[str, Any]) -> dict[str, Any]:
-        batch = dict(batch)
-        length = batch["input_ids"].shape[1]
-        if length % self.sp_world_size:
-            raise ValueError(f"sequence length {length} does not split over {self.sp_world_size} sequence-parallel ranks")
-        labels = batch.pop("labels", None)
-        if labels is not None:
-            pad = torch.full_like(labels[:, :1], IGNORE)
-            batch["shift_labels"] = torch.cat([labels[:, 1:], pad], dim=1)
-        size = length // self.sp_world_size
-        out = {}
-        for key, value in batch.items():
-            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length:
-                # A copy: with several rows a slice is not contiguous, and the model's loss
-                # views the labels flat.
-                value = value.narrow(1, self.sp_rank * size, size).contiguous()
-            out[key] = value.to(self.device) if isinstance(value, torch.Tensor) else value
-        return out
+        out = cut_sequences(batch, self.sp_rank, self.sp_world_size)
+        # Copies: with several rows a slice is not contiguous, and the model's loss views the
+        # labels flat.
+        return {k: v.contiguous().to(self.device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}

@@ -80,28 +80,46 @@ def slice_batch(batch: Mapping[str, Any], rank: int, sp: int, *, seq_dim: int = 
     taken out and, with the position ids, becomes the whole sequences' ``mask``."""
     ids = batch["input_ids"]
     length = ids.shape[seq_dim]
+    out = dict(batch)
+    attention_mask = out.pop("attention_mask", None)
+    if out.get("position_ids") is None:  # what the model makes without them, at full length
+        out["position_ids"] = torch.arange(length, device=ids.device).expand(ids.shape[0], length)
+    labels = out.pop("labels", None)
+    if labels is not None and out.get("shift_labels") is None:
+        out["shift_labels"] = next_token_targets(labels, seq_dim)
+    num_targets = int((out["shift_labels"] != IGNORE).sum()) if out.get("shift_labels") is not None else 0
+    inputs = cut_sequences(out, rank, sp, seq_dim=seq_dim)
+    mask = full_mask(attention_mask, out["position_ids"].expand(ids.shape[0], length)) if seq_dim == 1 else None
+    return SequenceSlice(inputs, num_targets, mask)
+
+
+def next_token_targets(labels: torch.Tensor, seq_dim: int = 1) -> torch.Tensor:
+    """``labels`` shifted one position left along ``seq_dim`` on the whole sequence, the
+    last position ignored: position i's target is token i + 1."""
+    pad = torch.full_like(labels.narrow(seq_dim, 0, 1), IGNORE)
+    return torch.cat([labels.narrow(seq_dim, 1, labels.shape[seq_dim] - 1), pad], dim=seq_dim)
+
+
+def cut_sequences(batch: Mapping[str, Any], rank: int, sp: int, *, seq_dim: int = 1) -> dict[str, Any]:
+    """``batch`` with ``labels`` replaced by their :func:`next_token_targets`
+    (``shift_labels``) and every tensor of the sequence's length along ``seq_dim`` cut to
+    slice ``rank`` of ``sp`` (views: the rest as they are). Raises ``ValueError`` when the
+    sequence does not split evenly."""
+    length = batch["input_ids"].shape[seq_dim]
     if length % sp:
         raise ValueError(
             f"sequences of {length} tokens do not split over {sp} sequence-parallel ranks; pad or pack them "
             f"to a multiple of {sp}"
         )
     out = dict(batch)
-    attention_mask = out.pop("attention_mask", None)
-    if out.get("position_ids") is None:  # what the model makes without them, at full length
-        out["position_ids"] = torch.arange(length, device=ids.device).expand(ids.shape[0], length)
-    mask = full_mask(attention_mask, out["position_ids"].expand(ids.shape[0], length)) if seq_dim == 1 else None
-    num_targets = 0
     labels = out.pop("labels", None)
     if labels is not None and out.get("shift_labels") is None:
-        pad = torch.full_like(labels.narrow(seq_dim, 0, 1), IGNORE)
-        out["shift_labels"] = torch.cat([labels.narrow(seq_dim, 1, length - 1), pad], dim=seq_dim)
-    if out.get("shift_labels") is not None:
-        num_targets = int((out["shift_labels"] != IGNORE).sum())
+        out["shift_labels"] = next_token_targets(labels, seq_dim)
     size = length // sp
     for key, value in out.items():
         if isinstance(value, torch.Tensor) and value.dim() > seq_dim and value.shape[seq_dim] == length:
             out[key] = value.narrow(seq_dim, rank * size, size)
-    return SequenceSlice(out, num_targets, mask)
+    return out
 
 
 class _GlobalValue(torch.autograd.Function):

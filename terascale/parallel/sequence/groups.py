@@ -57,11 +57,7 @@ def with_sequence_parallel(ctx: DistributedContext, size: int, built: SequenceGr
     if built is not None:
         sp_group, replicas = built.get_sequence_parallel_group(), built.get_data_parallel_group()
     else:
-        ranks = dist.get_process_group_ranks(ctx.dp_group)
-        sequence_lists = [ranks[i : i + size] for i in range(0, world, size)]
-        replica_lists = [ranks[j::size] for j in range(size)]
-        sp_group, _ = dist.new_subgroups_by_enumeration(sequence_lists)
-        replicas, _ = dist.new_subgroups_by_enumeration(replica_lists)
+        sp_group, replicas = sequence_groups(dist.get_process_group_ranks(ctx.dp_group), size)
     assert dist.get_world_size(sp_group) == size
     return dataclasses.replace(
         ctx,
@@ -73,3 +69,13 @@ def with_sequence_parallel(ctx: DistributedContext, size: int, built: SequenceGr
         sp_world_size=size,
         sdp_group=ctx.dp_group,
     )
+
+
+def sequence_groups(ranks: list[int], size: int) -> tuple[ProcessGroup, ProcessGroup]:
+    """(this rank's sequence group, its data replicas) over ``ranks`` (see the note):
+    consecutive runs of ``size``, and the ranks at the same place in each run. Collective
+    over the world; ``size`` divides ``len(ranks)``."""
+    assert len(ranks) % size == 0
+    sp_group, _ = dist.new_subgroups_by_enumeration([ranks[i : i + size] for i in range(0, len(ranks), size)])
+    replicas, _ = dist.new_subgroups_by_enumeration([ranks[j::size] for j in range(size)])
+    return sp_group, replicas

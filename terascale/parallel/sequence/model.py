@@ -153,6 +153,7 @@ class _SequenceCausalLM:
         self.rank = 0 if group is None else dist.get_rank(group)
         self.inner = model.forward  # the class's, bound
         self.signature = inspect.signature(self.inner)
+        self.var_keyword = [n for n, p in self.signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD]
         self.base = getattr(model, model.base_model_prefix)
         if tiles.tiles_mlps(self.sp):
             _tile_mlps(model, tiles, self.sp)
@@ -171,11 +172,9 @@ class _SequenceCausalLM:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         bound = dict(self.signature.bind_partial(*args, **kwargs).arguments)
-        extra = {n for n, p in self.signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD}
-        batch = {k: v for k, v in bound.items() if k not in extra}
-        for name in extra:
-            batch.update(bound.get(name, {}))
-        batch = {k: v for k, v in batch.items() if v is not None}
+        for name in self.var_keyword:  # **kwargs arrive bound as one dict
+            bound.update(bound.pop(name, {}))
+        batch = {k: v for k, v in bound.items() if v is not None}
         num_items = batch.pop("num_items_in_batch", None)
         logits_to_keep = batch.pop("logits_to_keep", 0)
         if logits_to_keep:
