@@ -18,6 +18,7 @@ _OWN = {
     "DistributedContext": "groups",
     "ModelParallelUnit": "groups",
     "duplicate_group": "groups",
+    "split_group": "groups",
     "GradientBuckets": "buckets",
     "ReducePolicy": "buckets",
     "all_gather_flat": "collectives",

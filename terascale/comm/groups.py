@@ -281,3 +281,30 @@ def duplicate_group(group: ProcessGroup) -> ProcessGroup:
             out = created
     assert out is not None
     return out
+
+
+def split_group(group: ProcessGroup, color: Any) -> ProcessGroup:
+    """The ranks of ``group`` whose ``color`` equals this rank's, as a new process group
+    (MPI's ``Comm_split``), ordered as in ``group``.
+
+    Collective over the default group (``new_group`` is): every rank calls it at the same
+    point, each with its own ``group``; every distinct member list of every group is
+    created in the same order everywhere. ``color`` must be hashable and comparable.
+    """
+    mine = dist.get_process_group_ranks(group)
+    everyone: list[tuple[tuple[int, ...], Any, int] | None] = [None] * dist.get_world_size()
+    ops.all_gather_object(everyone, (tuple(mine), color, dist.get_rank()))
+    members: dict[tuple[tuple[int, ...], Any], list[int]] = {}
+    for entry in everyone:
+        assert entry is not None
+        ranks, c, rank = entry
+        members.setdefault((ranks, c), []).append(rank)
+    out = None
+    for key in sorted(members, key=lambda k: (k[0], repr(k[1]))):
+        order = {r: i for i, r in enumerate(key[0])}
+        ranks = sorted(members[key], key=order.__getitem__)
+        created = group if len(ranks) == len(key[0]) else dist.new_group(ranks)
+        if key == (tuple(mine), color):
+            out = created
+    assert out is not None
+    return out

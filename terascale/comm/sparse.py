@@ -62,6 +62,11 @@ class CommStats:
         self.dense_bytes += (world - 1) * t.numel() * t.element_size() // world
         self.collectives += 1
 
+    def sent(self, nbytes: int) -> None:
+        """A dense reduction whose algorithm sends ``nbytes`` from this rank (counted by the caller)."""
+        self.dense_bytes += nbytes
+        self.collectives += 1
+
     def all_gather(self, own: torch.Tensor, world: int) -> None:
         """``own`` is this rank's contribution (sparse traffic)."""
         self.sparse_bytes += (world - 1) * own.numel() * own.element_size()

@@ -179,21 +179,21 @@ FEATURES: tuple[Feature, ...] = (
     Feature("parameter offload to CPU", True, _offload("offload_param", "cpu")),
     Feature("parameter offload to NVMe", True, _offload("offload_param", "nvme")),
     Feature("NVMe optimizer step under backward", True, _step_in_backward),
-    # Not built yet.
     Feature(
         "ZeRO++ quantized communication",
-        False,
-        _flags(
-            "zero_optimization",
-            "zero_quantized_weights",
-            "zero_quantized_nontrainable_weights",
-            "zero_quantized_gradients",
-        ),
+        True,
+        _flags("zero_optimization", "zero_quantized_weights", "zero_quantized_gradients"),
     ),
     Feature(
         "ZeRO++ hierarchical partitioning",
-        False,
+        True,
         _above("zero_optimization.zero_hpz_partition_size", 1),
+    ),
+    # Not built yet.
+    Feature(
+        "ZeRO++ int8 storage of frozen weights",
+        False,
+        _flags("zero_optimization", "zero_quantized_nontrainable_weights"),
     ),
     Feature("LoCo-ZeRO++", False, _present("zero_optimization.zeropp_loco_param")),
     Feature("MiCS sharding", False, _above("zero_optimization.mics_shard_size", 0)),

@@ -29,6 +29,7 @@ it (the hidden size DeepSpeed's Trainer integration reads is the unsliced model'
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +61,9 @@ from terascale.zero.grads import GradPolicy
 from terascale.zero.leaf import set_z3_leaf_modules, set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix
 from terascale.zero.schedule import SchedulePolicy
 from terascale.zero.tiling import tile_linears
+from terascale.zero.zeropp import ZeroPPPolicy
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -204,6 +208,7 @@ def build_model_state(
     # Over every rank holding the same parameters ([Note: sequence-parallel groups]).
     group = dist_ctx.zero_group
     if zero.stage == 0:
+        zeropp_policy(config)  # says that ZeRO++'s keys do nothing here
         policy = ReducePolicy(**_reduction(config), accum_dtype=config.grad_accum_dtype, sparse_params=sparse)
         return ReplicatedState(module, param_groups, precision, group, policy, dist_ctx.device, experts)
     if zero.stage == 3 and zero.leaf_module:
@@ -252,7 +257,28 @@ def zero_options(config: Config, wrap: WrapPolicy | None = None) -> ZeroOptions:
         offload_optimizer=optimizer_offload(config),
         offload_param=param_offload(config),
         allow_untested_optimizer=config.zero_allow_untested_optimizer,
+        zeropp=zeropp_policy(config),
     )
+
+
+def zeropp_policy(config: Config) -> ZeroPPPolicy:
+    """ZeRO++'s options from ``zero_optimization`` (stage 3). Below stage 3 nothing is
+    gathered and DeepSpeed ignores them; so does terascale, saying so, so that published
+    configs that keep the keys while lowering the stage still run."""
+    zero = config.zero_optimization
+    policy = ZeroPPPolicy(
+        quantized_weights=zero.zero_quantized_weights,
+        hpz_size=max(1, zero.zero_hpz_partition_size),
+        quantized_gradients=zero.zero_quantized_gradients,
+    )
+    if policy.enabled and zero.stage < 3:
+        log.warning("zero_optimization: zero_quantized_weights, zero_hpz_partition_size and "
+                    "zero_quantized_gradients apply at stage 3 only; ignored at stage %d", zero.stage)  # fmt: skip
+        return ZeroPPPolicy()
+    if policy.quantized_gradients and not zero.reduce_scatter:
+        log.info("zero_optimization: zero_quantized_gradients reduces gradients with its hierarchical "
+                 "reduce-scatter; reduce_scatter: false does not apply to them")  # fmt: skip
+    return policy
 
 
 def mark_leaf_modules(module: nn.Module, section: Mapping[str, Any]) -> None:

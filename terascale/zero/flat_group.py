@@ -30,6 +30,25 @@ since forward). It moves memory between storage objects
 (``UntypedStorage._swap_data_ptr_``), never the storage itself, so the aliases above
 stay valid. The engine empties the pool after each backward: between steps its memory
 is the optimizer's.
+
+[Note: ZeRO++ gathers]
+Two options of ZeRO++ (Wang et al., 2023) change how a stage-3 group is gathered, never
+what the optimizer steps (the masters and gradients stay full precision):
+
+- ``quant`` (qwZ): each rank sends its shard as int8 block codes and every rank decodes
+  every shard, its own included, so all ranks compute with the same weights ([Note:
+  block-quantized messages]). Forward and backward use the decoded weights; the gradient is
+  taken with respect to them (straight through).
+- ``secondary_group`` (hpZ): when the group is freed after its first use in a step, this
+  rank keeps its ``1/h`` slice of the full buffer (``h`` the secondary group's size, the
+  ranks of one node); while that secondary partition is valid, gathers run inside the
+  secondary group, unquantized (re-encoding decoded values would add a second error and
+  the link is fast). So a step's forward gathers across nodes once and its backward
+  re-gathers inside the node. The secondary partition costs ``P/h`` elements a rank and
+  is invalid from the moment the shards change (``invalidate_secondary``: the optimizer
+  step, a checkpoint load, a ``GatheredParameters`` edit); the next gather is a primary
+  one again and the next free rebuilds it. Persistent groups are never freed and never
+  quantized (small parameters, re-gathered once a step).
 """
 
 from __future__ import annotations
@@ -48,6 +67,8 @@ from torch.distributed import ProcessGroup
 
 from terascale.comm import ops
 from terascale.comm.collectives import all_gather_flat
+from terascale.comm.quant import BlockQuant
+from terascale.comm.quantized import all_gather_quantized
 
 
 class ShardState(enum.Enum):
@@ -217,6 +238,8 @@ class FlatParamGroup:
         shapes: Sequence[torch.Size] | None = None,
         index: int = 0,
         buffers: FullBuffers | None = None,
+        quant: BlockQuant | None = None,
+        secondary_group: ProcessGroup | None = None,
     ) -> None:
         shapes = shapes or [p.shape for _, p in named_params]
         self.layout = FlatLayout.build([(n, s) for (n, _), s in zip(named_params, shapes)], dist.get_world_size(group))
@@ -238,6 +261,10 @@ class FlatParamGroup:
         self.persistent = persistent
         self.home: ShardHome | None = None  # set by an offload tier; None: the shard stays here
         self._buffers = buffers
+        # [Note: ZeRO++ gathers]
+        self.quant = None if persistent else quant
+        self.secondary_group = None if persistent or secondary_group is None else secondary_group
+        self.secondary: torch.Tensor | None = None  # this rank's 1/h slice, while valid
 
         self._full = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
@@ -258,6 +285,7 @@ class FlatParamGroup:
         self.blocked_s = 0.0
         if not persistent:
             self.reshard()
+            self.secondary = None  # built from the first gather, like every step's ([Note: ZeRO++ gathers])
 
     # -- gathering and freeing -------------------------------------------------------------
 
@@ -267,6 +295,9 @@ class FlatParamGroup:
         not kept for one (see [Note: kept full buffers])."""
         assert not self.persistent, "a persistent group is never resharded"
         assert self.state is ShardState.UNSHARDED, f"reshard from {self.state}"
+        if self.secondary_group is not None and self.secondary is None:
+            lo, hi = self._secondary_range()
+            self.secondary = self._full[lo:hi].clone()
         self._point_params_at([self._empty] * len(self.params))
         if self._buffers is None or not keep_memory:
             self._full.untyped_storage().resize_(0)
@@ -274,11 +305,13 @@ class FlatParamGroup:
             self._buffers.release(self._full.untyped_storage())
         self.state = ShardState.SHARDED
 
-    def unshard(self, async_op: bool = False) -> None:
+    def unshard(self, async_op: bool = False, exact: bool = False) -> None:
         """Re-allocate the full buffer and all-gather every rank's shard into it.
 
         With ``async_op`` the group is GATHERING until :meth:`wait`. A no-op when the
-        group is already UNSHARDED or GATHERING.
+        group is already UNSHARDED or GATHERING. ``exact`` gathers the shards as they are,
+        never quantized ([Note: ZeRO++ gathers]): for callers that may write the full
+        parameters back into the shards.
         """
         if self.state is not ShardState.SHARDED:
             return
@@ -286,14 +319,38 @@ class FlatParamGroup:
             self._full.untyped_storage().resize_(self.full_nbytes)
         else:
             self._buffers.fill(self._full.untyped_storage(), self.full_nbytes)
-        self._gather(async_op)
+        self._gather(async_op, exact)
 
     def regather(self, async_op: bool = False) -> None:
         """All-gather a persistent group's full buffer after its shard changed (in place)."""
         assert self.persistent and self.state is ShardState.UNSHARDED, f"regather from {self.state}"
         self._gather(async_op)
 
-    def _gather(self, async_op: bool) -> None:
+    def invalidate_secondary(self) -> None:
+        """The shards changed: the next gather is a primary one ([Note: ZeRO++ gathers])."""
+        self.secondary = None
+
+    def _secondary_range(self) -> tuple[int, int]:
+        assert self.secondary_group is not None
+        n = self.layout.padded_numel // dist.get_world_size(self.secondary_group)
+        j = dist.get_rank(self.secondary_group)
+        return j * n, (j + 1) * n
+
+    def _gather(self, async_op: bool, exact: bool = False) -> None:
+        if self.secondary is not None:
+            if self.home is not None:  # the tier's fetch of this shard (if any) is released unread
+                self.home.ready(self)
+                self.home.consumed(self)
+            lo, hi = self._secondary_range()
+            own = self._full[lo:hi]
+            with torch.no_grad():
+                own.copy_(self.secondary)
+            with ops.named_range("terascale::gather group (secondary)", self.index):
+                self._work = all_gather_flat(self._full, own, self.secondary_group, async_op=async_op)
+            self.state = ShardState.GATHERING
+            if not async_op:
+                self.wait()
+            return
         lo, hi = self.layout.shard_range(self.rank)
         own = self._full[lo:hi]
         if self.home is not None:
@@ -305,7 +362,10 @@ class FlatParamGroup:
         elif own.data_ptr() != self.shard.data_ptr():
             with torch.no_grad():
                 own.copy_(self.shard)
-        if self.layout.world_size > 1:
+        if self.quant is not None and not exact:
+            with ops.named_range("terascale::gather group (quantized)", self.index):
+                self._work = all_gather_quantized(self._full, own, self.group, self.quant, async_op=async_op)
+        elif self.layout.world_size > 1:
             with ops.named_range("terascale::gather group", self.index):
                 self._work = all_gather_flat(self._full, own, self.group, async_op=async_op)
         self.state = ShardState.GATHERING
@@ -334,6 +394,7 @@ class FlatParamGroup:
     def update_shard_from_full(self) -> None:
         """Copy this rank's slice of the (modified) full parameters into its shard."""
         assert self.state is ShardState.UNSHARDED, f"update_shard_from_full from {self.state}"
+        self.invalidate_secondary()
         if not self.persistent:
             lo, hi = self.layout.shard_range(self.rank)
             self.shard.copy_(self._full[lo:hi])

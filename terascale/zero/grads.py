@@ -77,6 +77,9 @@ from torch.distributed import ProcessGroup
 
 from terascale.comm import ops
 from terascale.comm.collectives import reduce_scatter_flat
+from terascale.comm.hierarchy import NodeGroups
+from terascale.comm.quant import BlockQuant
+from terascale.comm.quantized import quantized_nbytes_sent, reduce_scatter_quantized
 from terascale.comm.sparse import CommStats, SparseGather, accumulate_sparse, add_rows_to_range, all_gather_sparse
 from terascale.offload.grads import GradSwapper
 from terascale.zero.flat_group import FlatParamGroup
@@ -96,6 +99,17 @@ class GradPolicy:
     predivide_factor: float = 1.0
     sparse_gradients: bool = False  # the config's sparse_gradients; off: a sparse gradient is an error
     sparse_params: frozenset[str] = frozenset()  # names of parameters with row-sparse gradients
+
+
+@dataclass(frozen=True)
+class QuantizedReduce:
+    """ZeRO++'s qgZ: the flat groups in ``groups`` are reduce-scattered over ``nodes`` with
+    ``spec``'s codes ([Note: the hierarchical quantized reduce-scatter]) instead of the
+    plain reduce-scatter (or all-reduce: ``reduce_scatter: false`` changes nothing here)."""
+
+    nodes: NodeGroups
+    spec: BlockQuant
+    groups: frozenset[int]
 
 
 class FinalGradients(Protocol):
@@ -183,8 +197,10 @@ class ShardedGrads:
         on_group_done: Callable[[int], None] | None = None,
         swapper: GradSwapper | None = None,
         reduce_groups: Sequence[ProcessGroup] | None = None,
+        quantized: QuantizedReduce | None = None,
     ) -> None:
         assert swapper is None or policy.reduce_every_micro_step, "gradient swapping needs stage 2 or 3"
+        self.quantized = quantized
         self.groups = list(groups)
         self.swapper = swapper  # stages 2-3 with the optimizer on NVMe: shards go to disk
         self.policy = policy
@@ -356,8 +372,13 @@ class ShardedGrads:
         if pre != 1.0:
             comm.mul_(pre)
         size, pg = self._sizes[g], self._pgs[g]
+        quantized = self.quantized
         if size == 1 or comm.numel() == 0:
             work = None
+        elif quantized is not None and g in quantized.groups and sparse is None:
+            with ops.named_range("terascale::reduce_scatter group (quantized)", g):
+                work = reduce_scatter_quantized(comm[lo:hi], comm, quantized.nodes, quantized.spec, async_op=True)
+            self.comm.sent(sum(quantized_nbytes_sent(quantized.spec, hi - lo, quantized.nodes)))
         elif pol.reduce_scatter:
             with ops.named_range("terascale::reduce_scatter group", g):
                 work = reduce_scatter_flat(comm[lo:hi], comm, pg, async_op=True)

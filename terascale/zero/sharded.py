@@ -39,7 +39,7 @@ from terascale.optim.lamb import Lamb
 from terascale.zero.flat_group import FlatParamGroup, FullBuffers, ShardState, keeps_full_buffers
 from terascale.zero.gather import owner_of, register_owner, unregister
 from terascale.zero.early_step import EarlyStep
-from terascale.zero.grads import GradPolicy, ShardedGrads
+from terascale.zero.grads import GradPolicy, QuantizedReduce, ShardedGrads
 from terascale.zero.host import (
     BOUNDED_HOST_MIN_NVME_BYTES,
     map_large_allocations,
@@ -51,6 +51,7 @@ from terascale.zero.optimizers import Segments, SumNorms, check_shardable
 from terascale.zero.schedule import ParamSchedule, SchedulePolicy
 from terascale.zero.state_io import sharded_grad_slices, sharded_slices
 from terascale.zero.wrap import GroupPlan, WrapPolicy, plan_groups
+from terascale.zero.zeropp import ZeroPPComm, ZeroPPPolicy
 
 
 @dataclass(frozen=True)
@@ -68,10 +69,12 @@ class ZeroOptions:
     offload_optimizer: OptimizerOffload = field(default_factory=OptimizerOffload)
     offload_param: ParamOffload = field(default_factory=ParamOffload)
     allow_untested_optimizer: bool = False  # zero_allow_untested_optimizer
+    zeropp: ZeroPPPolicy = field(default_factory=ZeroPPPolicy)
 
     def __post_init__(self) -> None:
         assert self.stage in (1, 2, 3), self.stage
         assert self.stage == 3 or not self.offload_param.enabled, "parameter offload needs stage 3"
+        assert self.stage == 3 or not self.zeropp.enabled, "ZeRO++ needs stage 3"
 
 
 class ShardedState:
@@ -135,7 +138,11 @@ class ShardedState:
         # expert-data-parallel group: [Note: expert parameters]); the rest over ``group``.
         class_groups = dict(class_groups or {})
         plan_pgs = [class_groups.get((param_classes or {}).get(id(plan.params[0])), group) for plan in self.plans]
+        # ZeRO++ applies to the groups sharded over ``group`` (an expert class's groups
+        # shard over a subgroup of their own and gather as usual).
+        self.zeropp = ZeroPPComm.build(options.zeropp, group) if options.zeropp.enabled else None
         for plan, pg in zip(self.plans, plan_pgs):
+            zpp = self.zeropp if pg is group else None
             fg = FlatParamGroup(
                 list(zip(plan.names, plan.params)),
                 pg,
@@ -146,6 +153,8 @@ class ShardedState:
                 shapes=[_initial_shape(p) for p in plan.params],
                 index=len(self.groups),
                 buffers=self.full_buffers,
+                quant=None if zpp is None else zpp.weight_quant,
+                secondary_group=None if zpp is None else zpp.secondary,
             )
             for p in fg.params:
                 release = getattr(owner_of(p), "release_ownership", None)
@@ -186,6 +195,8 @@ class ShardedState:
             on_group_done=None if self.schedule is None else self.schedule.on_grads_done,
             swapper=self._grad_swapper(options),
             reduce_groups=[channels[id(pg)] for pg in plan_pgs],
+            quantized=None if self.zeropp is None or self.zeropp.nodes is None else QuantizedReduce(
+                self.zeropp.nodes, self.zeropp.grad_quant, frozenset(g for g, pg in enumerate(plan_pgs) if pg is group)),
         )
         if nvme and device.type == "cpu" and self._nvme_states_nbytes() < BOUNDED_HOST_MIN_NVME_BYTES:
             reuse_large_allocations()  # [Note: host memory with an NVMe tier]
@@ -334,10 +345,16 @@ class ShardedState:
         # steps' small transients, each page touched once then kept: 190 MiB, 16% of the peak,
         # on the 109M GPT at stage 3 with both tiers on NVMe and a sub_group_size of 1e6.
         # Trimming after steps 1, 2, 4, 8, ... gives most of it back at 1-16 ms a trim.
+        self.invalidate_secondaries()
         self._steps += 1
         if self._steps == self._next_trim:
             return_freed_host_memory()
             self._next_trim *= 2
+
+    def invalidate_secondaries(self) -> None:
+        """The shards changed: hpZ's secondary partitions are stale ([Note: ZeRO++ gathers])."""
+        for fg in self.groups:
+            fg.invalidate_secondary()
 
     def _step_runs(
         self,
@@ -639,7 +656,7 @@ class ShardedState:
         # so that changes without a modifier_rank can be discarded.
         saved = {g: self.groups[g].shard.clone() for g in groups if self.groups[g].persistent}
         for g in groups:
-            self.groups[g].unshard()
+            self.groups[g].unshard(exact=True)  # the caller may write the full values back
             self.groups[g].wait()
         return groups, was_sharded, saved
 

@@ -121,6 +121,7 @@ def sharded_slices(
                     settle_loaded_state(optimizer, [masters.masters[i] for i in run])
                 masters.write_to_shards(run, write)
     if load:
+        st.invalidate_secondaries()
         if st.params is not None:
             st.params.finish_step()
         for fg in st.groups:
