@@ -147,7 +147,38 @@ class _null:
         return False
 
 
-def _zeropp_rank() -> dict:
+ALL = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
+
+
+def _resume(zpp: dict, save_dir: str, tag: str, load_zpp: dict | None = None) -> dict:
+    """Train 2 steps, save, train 2 more; a fresh engine (``load_zpp``'s options) loads the
+    checkpoint and trains the same 2 steps."""
+    import terascale
+
+    def run(engine, steps):
+        import torch.distributed as dist
+
+        losses = []
+        for step in steps:
+            x, y = _batch(step, 0, dist.get_rank())
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+
+    engine, *_ = terascale.initialize(model=_model(), config=_config(zpp))
+    run(engine, [0, 1])
+    engine.save_checkpoint(save_dir, tag=tag)
+    after = run(engine, [2, 3])
+    loaded, *_ = terascale.initialize(model=_model(), config=_config(zpp if load_zpp is None else load_zpp))
+    loaded.load_checkpoint(save_dir, tag=tag)
+    assert all(fg.secondary is None for fg in loaded.model_state.groups)
+    params = {n: p.clone() for n, p in _full_params(loaded).items()}
+    return {"after": after, "resumed": run(loaded, [2, 3]), "params": params}
+
+
+def _zeropp_rank(save_dir: str) -> dict:
     import os
 
     os.environ["GROUP_RANK"] = str(int(os.environ["RANK"]) // 2)  # 2 nodes x 2 ranks
@@ -169,12 +200,19 @@ def _zeropp_rank() -> dict:
     # Below stage 3 the keys are ignored (as DeepSpeed ignores them): stage 2 trains as without.
     out["stage2"] = _train({"zero_quantized_weights": True, "zero_quantized_gradients": True}, 2, stage=2)
     out["stage2_plain"] = _train({}, 2, stage=2)
+    # hpZ with the parameter shards on the host and on NVMe: the same trajectory.
+    out["hpz_offload"] = [
+        _train({"zero_hpz_partition_size": 2}, 4, zero={"offload_param": {"device": device, "nvme_path": save_dir}})
+        for device in ("cpu", "nvme")
+    ]
+    out["resume"] = _resume(ALL, save_dir, "zpp")
+    out["resume_plain"] = _resume(ALL, save_dir, "zpp2", load_zpp={})
     return out
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict]:
-    return run_ranks(_zeropp_rank, 4, timeout=300)
+def results(tmp_path_factory) -> list[dict]:
+    return run_ranks(_zeropp_rank, 4, str(tmp_path_factory.mktemp("zeropp")), timeout=300)
 
 
 def _gathers(seen, step: int, world: int) -> int:
@@ -234,3 +272,18 @@ def test_zeropp_config_rules(results) -> None:
     r = results[0]
     assert "zero_hpz_partition_size 3 does not divide the 4 ranks" in r["hpz3"]
     assert r["stage2"]["losses"] == r["stage2_plain"]["losses"]
+
+
+def test_hpz_with_parameter_offload(results) -> None:
+    for r in results:
+        for run in r["hpz_offload"]:
+            assert run["losses"] == r["plain"]["losses"]
+
+
+def test_checkpoints_hold_full_precision_states_and_resume_exactly(results) -> None:
+    for r in results:
+        # ZeRO++ saved and loaded: the same next losses as the run that went on
+        assert r["resume"]["resumed"] == r["resume"]["after"]
+        # loaded without ZeRO++: the same full-precision parameters
+        for name, p in r["resume"]["params"].items():
+            assert torch.equal(r["resume_plain"]["params"][name], p), name

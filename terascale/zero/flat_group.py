@@ -265,6 +265,7 @@ class FlatParamGroup:
         self.quant = None if persistent else quant
         self.secondary_group = None if persistent or secondary_group is None else secondary_group
         self.secondary: torch.Tensor | None = None  # this rank's 1/h slice, while valid
+        self._full_as_computed = True  # the full buffer holds what a training gather gives
 
         self._full = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
@@ -295,7 +296,7 @@ class FlatParamGroup:
         not kept for one (see [Note: kept full buffers])."""
         assert not self.persistent, "a persistent group is never resharded"
         assert self.state is ShardState.UNSHARDED, f"reshard from {self.state}"
-        if self.secondary_group is not None and self.secondary is None:
+        if self.secondary_group is not None and self.secondary is None and self._full_as_computed:
             lo, hi = self._secondary_range()
             self.secondary = self._full[lo:hi].clone()
         self._point_params_at([self._empty] * len(self.params))
@@ -353,6 +354,9 @@ class FlatParamGroup:
             return
         lo, hi = self.layout.shard_range(self.rank)
         own = self._full[lo:hi]
+        # An exact gather of quantized shards is not what training computes with: no
+        # secondary partition is made from it.
+        self._full_as_computed = not (exact and self.quant is not None)
         if self.home is not None:
             # Copy the shard into place first: the offload tier gets its buffer back at once.
             self.home.ready(self)

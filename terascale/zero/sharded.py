@@ -615,6 +615,8 @@ class ShardedState:
                 params += fg.full_nbytes
             else:
                 params += fg.shard.numel() * fg.dtype.itemsize  # 0 while offloaded to NVMe
+                if fg.secondary is not None:  # hpZ ([Note: ZeRO++ gathers])
+                    params += fg.secondary.numel() * fg.dtype.itemsize
                 if fg.state is not ShardState.SHARDED:
                     gathered += fg.full_nbytes
         tiers = [t for t in (self.swapper, self.params, self.grads.swapper) if t is not None]
