@@ -36,6 +36,7 @@ PARAM = "param"
 BUFFER = "buffer"
 OPTIM = "optim/"
 GRAD = "grad"  # a window's reduced gradient (read by DeepSpeed's safe_get_*_grad; never saved)
+RANK_LOCAL = "local/"  # state that differs between ranks: [Note: rank-local checkpoint state]
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,11 @@ class OptimKey:
 
     dtype: torch.dtype
     scalar: bool
+
+
+def rank_local_key(world: int, rank: int) -> str:
+    """The span key of rank ``rank``'s own state in a run of ``world`` ranks."""
+    return f"{RANK_LOCAL}{world}/{rank}"
 
 
 def optim_span_key(state_key: str) -> str:

@@ -27,6 +27,16 @@ dense averaged gradient as with a dense embedding: plain PyTorch's result for ev
 optimizer (SGD also matches a sparse embedding in plain PyTorch; Adam cannot step sparse
 gradients there). Only the communication is sparse. Without ``sparse_gradients`` a
 sparse gradient is added into its dense slot and all-reduced like any other.
+
+[Note: windows without a reduction]
+An optimizer that communicates on its own (the 1-bit optimizers of
+:mod:`terascale.optim.onebit`, after their warm-up) wants each rank's own gradient: for
+such a window ``prepare_backward(sync, reduce=False)`` launches nothing, and
+:meth:`GradientBuckets.finish` leaves the flat buffer as this rank accumulated it (summed
+over the window's micro-steps, not averaged), with sparse rows added into their slots.
+The used-flags are then this rank's alone: a parameter this rank gave no gradient has
+None where another rank may have one, which is why such an optimizer steps every
+parameter alike (see ``[Note: optimizers that reduce their own gradients]``).
 """
 
 from __future__ import annotations
@@ -97,6 +107,7 @@ class GradientBuckets:
         self._divisor = average_over or self._world
         self._policy = policy
         self._sync = True
+        self._reduce = True
         self.blocked_s = 0.0  # waiting for all-reduces ([Note: straggler compute time])
         # Bytes this rank sends reducing gradients (for benchmarks); ``stats`` lets several
         # buckets' owners count into one record.
@@ -152,9 +163,13 @@ class GradientBuckets:
 
     # -- micro-step protocol -------------------------------------------------------------
 
-    def prepare_backward(self, sync: bool) -> None:
-        """Declare whether the coming backward ends an accumulation window (and so reduces)."""
+    def prepare_backward(self, sync: bool, reduce: bool = True) -> None:
+        """Declare whether the coming backward ends an accumulation window (and so reduces),
+        and whether this window's gradients are reduced at all: with ``reduce`` False they
+        stay this rank's own ([Note: windows without a reduction]). Every backward of a
+        window passes the same ``reduce``."""
         self._sync = sync
+        self._reduce = reduce
 
     def finish(self) -> None:
         """Reduce what is still unreduced, wait for every bucket and average the gradients.
@@ -162,7 +177,11 @@ class GradientBuckets:
         Called at the accumulation boundary. Buckets whose parameters did not all receive
         gradients (unused parameters) are launched here, still in index order; then the
         sparse parameters' rows are gathered, in parameter order (the same on every rank).
+        In a window without a reduction the gradients are left as this rank summed them.
         """
+        if not self._reduce:
+            self._finish_locally()
+            return
         for bucket in self._buckets:
             bucket.ready = True
         self._launch_ready()
@@ -233,7 +252,7 @@ class GradientBuckets:
             self._grads[index].add_(grad)
             self._flags[index].fill_(1)
         param.grad = None
-        if self._sync:
+        if self._sync and self._reduce:
             bucket.pending -= 1
             if bucket.pending == 0:
                 bucket.ready = True
@@ -260,6 +279,18 @@ class GradientBuckets:
             with ops.named_range("terascale::all_reduce bucket", self._next_launch):
                 bucket.work = ops.all_reduce(tensor, group=self._group, async_op=True)
             self.comm.all_reduce(tensor, self._world)
+
+    @torch.no_grad()
+    def _finish_locally(self) -> None:
+        """End a window without a reduction: sparse rows go into their dense slots; the
+        used-flags say which parameters this rank gave a gradient."""
+        for i, sparse in enumerate(self._sparse):
+            rows, self._sparse_acc[i] = self._sparse_acc[i], None
+            if sparse and rows is not None:
+                self._grads[i].index_add_(0, rows.indices()[0], rows.values().to(self._policy.accum_dtype))
+                self._flags[i].fill_(1)
+        for bucket in self._buckets:
+            bucket.launched = True  # nothing to send: a gradient arriving now is an error as in any window
 
     def _launch_sparse(self, index: int) -> SparseGather:
         """Start gathering parameter ``index``'s accumulated rows from every rank, prescaled

@@ -23,6 +23,7 @@ Every rank contributes its parameters' records to the manifest, which rank 0 mer
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -31,12 +32,14 @@ import torch.distributed as dist
 
 from terascale.checkpoint.order import SliceOrder, part_of
 from terascale.checkpoint.reader import CheckpointReader
-from terascale.checkpoint.spans import MASTER, OPTIM, PARAM, ParamInfo, Slice, Span
+from terascale.checkpoint.spans import MASTER, OPTIM, PARAM, RANK_LOCAL, ParamInfo, Slice, Span
 from terascale.comm import DistributedContext
 from terascale.comm import ops as comm_ops
 from terascale.engine.model_state import ModelState
 from terascale.engine.parallel import ParallelLayout
 from terascale.parallel.slicing import TensorSlice
+
+logger = logging.getLogger("terascale")
 
 
 class CheckpointLayout:
@@ -107,6 +110,10 @@ class CheckpointLayout:
         """Fill ``out`` with local span ``span`` from whatever layout saved it. A parameter
         trainable in one run and frozen in the other is found under the other kind (master
         vs param) and cast; optimizer state the saving run never created is zeroed."""
+        if span.key.startswith(RANK_LOCAL):  # [Note: rank-local checkpoint state]
+            if reader.has(span.key, span.name):  # else another world size's (see rank_local_dropped),
+                reader.read_into(span, out)  # or saved before the state existed: as the optimizer reset it
+            return
         span = Span(span.key, self._name(span.name), span.start, span.end)  # a local expert: its global number
         if not reader.has(span.key, span.name):
             other = {MASTER: PARAM, PARAM: MASTER}.get(span.key)
@@ -141,3 +148,18 @@ class CheckpointLayout:
     def done(self) -> None:
         self._full.clear()
 
+    def rank_local_dropped(self, reader: CheckpointReader) -> None:
+        """Warn (rank 0) when the checkpoint holds rank-local state that this run cannot
+        use: saved on another number of ranks ([Note: rank-local checkpoint state])."""
+        saved, now = reader.manifest.world_size, dist.get_world_size()
+        if saved != now and dist.get_rank() == 0 and _has_rank_local(reader):
+            logger.warning(
+                "the checkpoint was saved on %d ranks and loads on %d: each rank's own optimizer state (the 1-bit "
+                "optimizers' error feedback) cannot be matched to a rank, so it starts from zero (as DeepSpeed resets "
+                "it on every load); resume on %d ranks to continue it exactly", saved, now, saved,
+            )  # fmt: skip
+
+
+def _has_rank_local(reader: CheckpointReader) -> bool:
+    """Whether the checkpoint holds any rank's own state ([Note: rank-local checkpoint state])."""
+    return any(span.key.startswith(RANK_LOCAL) for f in reader.manifest.files for span in f.spans)

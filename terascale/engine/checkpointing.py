@@ -488,6 +488,8 @@ class Checkpointer:
                 for span, t in chunk:
                     self.layout.read(reader, span, t)
             self.layout.done()
+            if with_optim:
+                self.layout.rank_local_dropped(reader)
             for name, b in buffers.items():
                 reader.read_into(Span(BUFFER, name, 0, b.numel()), b.data)
         if not load_module_only:
@@ -540,7 +542,10 @@ class Checkpointer:
             "lr_scheduler": scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
             "optimizer": {
                 "type": type(optimizer).__name__,
-                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+                # Tensor options (the 1-bit optimizers' exp_avg_mask) are the script's, set
+                # again by it, as DeepSpeed keeps the one the script passes over a loaded one.
+                "param_groups": [{k: v for k, v in g.items() if k != "params" and not isinstance(v, torch.Tensor)}
+                                 for g in optimizer.param_groups],
             },
             "sampler": self._data.state_dict(),
         }

@@ -318,7 +318,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
             norm = self.window_grad_norm()
         overflow = False
         if self.config.fp16.enabled:
-            # The norm is global (every rank holds the same one), so this agrees everywhere.
+            # Non-finite on one rank is non-finite on every rank (a global norm; in a 1-bit
+            # optimizer's local window the model state makes it so), so this agrees everywhere.
             overflow = all_reduce_flag(~torch.isfinite(norm), self.dist.zero_group, self.device)
             self.loss_scaler.update(overflow)
         verdict = self._resilience.check_finite(norm) if checks and not overflow else "ok"
@@ -467,6 +468,13 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
     def comms_summary(self) -> str:
         """The comms logger's table so far (needs ``comms_logger.enabled``)."""
         return self._observe.comms_summary()
+
+    @property
+    def comms_logger(self) -> Any:
+        """The :class:`terascale.profiling.comms.CommsLogger` counting this engine's
+        collectives (``records()``, ``totals()``, ``reset()``), or None when
+        ``comms_logger.enabled`` is off."""
+        return self._observe.comms
 
     @property
     def flops_profiler(self) -> Any:

@@ -17,6 +17,9 @@ gradients and optimizer state, and that is behind :class:`ModelState`:
 - ``step_in_backward(optimizer, begin)``: from then on, step under each window's last
   backward where possible (stages 2-3 only: [Note: the optimizer step under backward]);
   ``step`` then finishes what that backward left;
+- ``gate_reduction(reduces)``: from then on, ask ``reduces()`` before each backward
+  whether the window's gradients are reduced at all (stage 0 only: [Note: optimizers that
+  reduce their own gradients]);
 - ``zero_grad()``, ``full_state_dict()``, ``memory()`` and ``remove_hooks()``;
 - ``checkpoint_params()`` and ``state_slices(optimizer, mode, optim_keys)``: the state as
   spans of named tensors for checkpoints (see ``[Note: logical checkpoints]``);
@@ -51,6 +54,7 @@ from terascale.checkpoint.spans import (
     create_optimizer_state,
     optimizer_slices,
     optimizer_state_view,
+    rank_local_key,
     settle_loaded_state,
 )
 from terascale.comm import GradientBuckets, ReducePolicy
@@ -61,6 +65,7 @@ from terascale.engine.precision import MasterWeights, PrecisionPolicy
 from terascale.moe.groups import ExpertGroups, ExpertLayout
 from terascale.offload.aio import IoActivity, io_traffic
 from terascale.optim.lamb import Lamb
+from terascale.optim.onebit import ReducesOwnGradients
 from terascale.zero.flat_group import FlatLayout
 from terascale.zero.init import materialize
 from terascale.zero.optimizers import SumNorms
@@ -84,6 +89,9 @@ class ModelState(Protocol):
     def step_in_backward(self, optimizer: torch.optim.Optimizer, begin: Callable[[], torch.Tensor]) -> None:
         """Step ``optimizer`` under each window's last backward where the gradients are
         final (``begin()`` starts such a window and returns the multiplier)."""
+
+    def gate_reduction(self, reduces: Callable[[], bool]) -> None:
+        """Reduce a window's gradients only where ``reduces()`` says so before its backwards."""
 
     def zero_grad(self) -> None: ...
 
@@ -175,6 +183,8 @@ class ReplicatedState:
             self._reductions.append((index, buckets, groups))
         self._buckets = self._reductions[0][1]  # the dense parameters'
         self._finished = False
+        self._reduces: Callable[[], bool] | None = None  # [Note: optimizers that reduce their own gradients]
+        self._local = False  # this window's gradients are each rank's own
         self._group = group
         self._device = device
         opt_group_of = {id(p): k for k, grp in enumerate(param_groups) for p in grp["params"]}
@@ -186,8 +196,12 @@ class ReplicatedState:
         return self._groups
 
     def prepare_backward(self, sync: bool) -> None:
+        self._local = self._reduces is not None and not self._reduces()
         for _, buckets, _ in self._reductions:
-            buckets.prepare_backward(sync)
+            buckets.prepare_backward(sync, reduce=not self._local)
+
+    def gate_reduction(self, reduces: Callable[[], bool]) -> None:
+        self._reduces = reduces
 
     def post_backward(self) -> None:
         pass  # the buckets finish at the step: an accumulation window may span backwards
@@ -207,6 +221,12 @@ class ReplicatedState:
         for index, _, groups in self._reductions:
             grads = [masters[i].grad for i in index if masters[i].grad is not None and id(params[i]) not in skip]
             sq = sq + global_grad_sq_norm(grads, None if groups is None else groups.ep_group, device=self._device)
+        if self._local:
+            # Each rank's own gradients: the norm stays this rank's (DeepSpeed clips by it),
+            # but a non-finite one anywhere must make it non-finite everywhere, so that the
+            # ranks agree on skipping the step (and on the health policy's verdict).
+            bad = torch.where(torch.isfinite(sq), 0.0, float("inf")).to(torch.float32)
+            extra = bad if extra is None else extra.detach() + bad
         if extra is not None:  # every rank's extra, summed: one scalar all-reduce
             extra = extra.detach().clone()
             if self._group is not None and dist.get_world_size(self._group) > 1:
@@ -315,10 +335,26 @@ class ReplicatedState:
             if not load or optim_keys:
                 out.extend(optimizer_slices(optimizer_state_view(optimizer, master), name, start, end, start, with_scalars=load or start == 0))
         yield out
+        if mode is not SliceMode.HELD and (optim_keys or not load) and isinstance(optimizer, ReducesOwnGradients):
+            yield self._rank_local_slices(optimizer, load)
         if load:
             if optim_keys:
                 settle_loaded_state(optimizer, [self._masters.master_of(p) for i, (_, p) in enumerate(self._named) if self._opt_group[i] >= 0])
             self._masters.copy_to_model()
+
+    def _rank_local_slices(self, optimizer: ReducesOwnGradients, load: bool) -> list[Slice]:
+        """[Note: rank-local checkpoint state]
+        Some optimizer state differs between ranks: the 1-bit optimizers' error feedback,
+        and 0/1 Adam's parameters, momenta and ``u`` between synchronisations. The even
+        split of :meth:`state_slices` would save a mix of ranks' values, so each rank also
+        saves all of that state whole, under the span key ``local/<world>/<rank>`` and the
+        optimizer's own names. A load on the same world size reads it back into place,
+        after the split state (this chunk comes second), so a resume is bit-identical; on
+        another world size the keys differ, nothing is read (the checkpoint layout warns),
+        and the optimizer's reset state stands: zero error feedback (DeepSpeed resets it on
+        every load), split values for the rest."""
+        key = rank_local_key(dist.get_world_size(self._group), dist.get_rank(self._group))
+        return [(Span(key, name, 0, t.numel()), t.reshape(-1)) for name, t in optimizer.rank_local_state(for_load=load).items()]
 
     def _parts(self, mode: SliceMode) -> list[tuple[int, int, int]]:
         """``(parameter index, start, end)`` this rank reads or writes in ``mode``: all of

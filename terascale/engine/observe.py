@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
@@ -44,6 +44,9 @@ from terascale.engine.model_state import ModelState
 from terascale.engine.monitor import Reporter, StepTimers
 from terascale.engine.train_state import TrainState
 from terascale.profiling.throughput import gpt_flops_per_token, model_shape, peak_flops, tokens_in
+
+if TYPE_CHECKING:
+    from terascale.profiling.comms import CommsLogger
 
 logger = logging.getLogger("terascale")
 
@@ -249,6 +252,10 @@ class Observer:
                 metrics[f"Comms/{op}/busbw_gbps"] = stats["busbw_gbps"]
                 metrics[f"Comms/{op}/algbw_gbps"] = stats["algbw_gbps"]
         self._reporter.write(metrics)
+
+    @property
+    def comms(self) -> CommsLogger | None:
+        return self._comms
 
     def comms_summary(self) -> str:
         if self._comms is None:

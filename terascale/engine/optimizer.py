@@ -18,6 +18,7 @@ from terascale.engine.model_state import ModelState, adopt_optimizer
 from terascale.engine.parallel import ParallelLayout
 from terascale.optim import build_optimizer, build_scheduler
 from terascale.optim.lamb import Lamb
+from terascale.optim.onebit import ReducesOwnGradients
 
 OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None
 SchedulerArg = Any  # an LR scheduler instance or a callable(optimizer) -> scheduler
@@ -55,10 +56,41 @@ def engine_optimizer(
             '{"type": "AdamW", "params": {"lr": 1e-3}}) or pass optimizer= to terascale.initialize'
         )
     else:
-        built = build_optimizer(section.type, dict(section.params), groups)
+        built = build_optimizer(section.type, dict(section.params), groups, group=layout.dist.zero_group)
+    if isinstance(built, ReducesOwnGradients):
+        own_gradient_reduction(built, config, state, layout)
     state.check_optimizer(built)
     layout.check_optimizer(built)
     return built
+
+
+def own_gradient_reduction(
+    optimizer: ReducesOwnGradients, config: Config, state: ModelState, layout: ParallelLayout
+) -> None:
+    """Let ``optimizer`` decide, window by window, whether ``state`` all-reduces the
+    gradients (``[Note: optimizers that reduce their own gradients]``); refuse the layouts
+    it cannot run on with a ValueError naming what to change."""
+    name = type(optimizer).__name__
+    stage = config.zero_optimization.stage
+    if stage != 0:
+        raise ValueError(
+            f"{name} averages its own 1-bit compressed momenta over the data-parallel ranks and needs whole "
+            f"parameters and optimizer state on every rank: it runs at zero_optimization.stage 0 only (as in "
+            f"DeepSpeed), and the stage is {stage}; set zero_optimization.stage to 0, or use Adam/AdamW/Lamb with "
+            f"stage {stage}"
+        )
+    ctx = layout.dist
+    others = [f"{what} {size}" for what, size in (
+        ("tensor parallelism of size", ctx.mp_world_size), ("pipeline parallelism of size", ctx.pp_world_size),
+        ("sequence parallelism of size", ctx.sp_world_size)) if size > 1]  # fmt: skip
+    if layout.experts:
+        others.append("expert parallelism (MoE layers)")
+    if others:
+        raise ValueError(
+            f"{name} runs with plain data parallelism only; this run has {' and '.join(others)}: train without "
+            f"them, or use Adam/AdamW/Lamb"
+        )
+    state.gate_reduction(optimizer.reduces_gradients)
 
 
 def engine_scheduler(lr_scheduler: SchedulerArg, config: Config, optimizer: torch.optim.Optimizer) -> Any:

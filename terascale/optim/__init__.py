@@ -10,6 +10,9 @@ from terascale.optim.factory import (
     state_bytes_per_element,
 )
 from terascale.optim.lamb import Lamb
+from terascale.optim.onebit import OneBitAdam, ReducesOwnGradients
+from terascale.optim.onebit_lamb import OneBitLamb
+from terascale.optim.zoadam import ZeroOneAdam
 from terascale.optim.schedulers import LRSchedule
 from terascale.optim.warmup import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
@@ -20,10 +23,14 @@ __all__ = [
     "LRRangeTest",
     "LRSchedule",
     "Lamb",
+    "OneBitAdam",
+    "OneBitLamb",
     "OneCycle",
+    "ReducesOwnGradients",
     "WarmupCosineLR",
     "WarmupDecayLR",
     "WarmupLR",
+    "ZeroOneAdam",
     "build_optimizer",
     "build_scheduler",
     "state_bytes_per_element",

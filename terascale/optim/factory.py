@@ -11,23 +11,32 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from terascale.optim.compact import CompactAdam
 from terascale.optim.cyclic import LRRangeTest, OneCycle
 from terascale.optim.lamb import Lamb
+from terascale.optim.onebit import OneBitAdam
+from terascale.optim.onebit_lamb import OneBitLamb
+from terascale.optim.zoadam import ZeroOneAdam
 from terascale.optim.schedulers import LRSchedule
 from terascale.optim.warmup import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 __all__ = ["SUPPORTED_OPTIMIZERS", "SUPPORTED_SCHEDULERS", "build_optimizer", "build_scheduler"]
 
-SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "Adam8bit", "AdamW8bit", "Lamb", "SGD")
+SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "Adam8bit", "AdamW8bit", "Lamb", "SGD", "OneBitAdam", "ZeroOneAdam",
+                        "OneBitLamb")
 
-# DeepSpeed optimizers that terascale deliberately does not provide (communication-
-# compressed or otherwise extension-bound); named in the error so users know it is
-# not a typo.
-_DEEPSPEED_ONLY_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Adagrad", "Lion",
-                              "MuAdam", "MuAdamW", "MuSGD", "Muon")
+# DeepSpeed optimizers that terascale deliberately does not provide (extension-bound);
+# named in the error so users know it is not a typo.
+_DEEPSPEED_ONLY_OPTIMIZERS = ("Adagrad", "Lion", "MuAdam", "MuAdamW", "MuSGD", "Muon")
+
+# The 1-bit optimizers ([Note: optimizers that reduce their own gradients]): DeepSpeed's
+# names (its config also accepts the spelling "OnebitAdam"; names are case-insensitive).
+_ONEBIT_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
+    "onebitadam": OneBitAdam, "zerooneadam": ZeroOneAdam, "onebitlamb": OneBitLamb,
+}
 
 # Device types with a fused torch Adam/AdamW/SGD kernel for floating tensors.
 _FUSED_DEVICE_TYPES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu"})
@@ -57,6 +66,11 @@ _COMPACT = _Spec(
     defaults={"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
               "adam_w_mode": True, "block_size": 256, "code": "power"},
 )
+# DeepSpeed's own defaults of the 1-bit optimizers; cuda_aware and comm_backend_name pick
+# DeepSpeed's communication library, and terascale uses the process group's backend.
+_ONEBIT_COMMON = {"lr": 1e-3, "bias_correction": True, "betas": (0.9, 0.999), "eps": 1e-8,
+                  "eps_inside_sqrt": False, "weight_decay": 0.0, "amsgrad": False}
+_ONEBIT_IGNORED = frozenset({"cuda_aware", "comm_backend_name"})
 _SPECS: dict[str, _Spec] = {
     "adam": _ADAM,
     "adamw": _ADAM,
@@ -70,6 +84,17 @@ _SPECS: dict[str, _Spec] = {
     "sgd": _Spec(
         defaults={"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0,
                   "nesterov": False, "maximize": False},
+    ),
+    "onebitadam": _Spec(defaults={**_ONEBIT_COMMON, "freeze_step": 100000}, ignored=_ONEBIT_IGNORED),
+    "zerooneadam": _Spec(
+        defaults={**_ONEBIT_COMMON, "var_freeze_step": 100000, "var_update_scaler": 16,
+                  "local_step_scaler": 32678, "local_step_clipper": 16},
+        ignored=_ONEBIT_IGNORED,
+    ),
+    "onebitlamb": _Spec(
+        defaults={**_ONEBIT_COMMON, "freeze_step": 100000, "max_coeff": 10.0, "min_coeff": 0.01,
+                  "coeff_beta": 0.9, "factor_max": 4.0, "factor_min": 0.5, "factor_threshold": 0.1},
+        ignored=_ONEBIT_IGNORED,
     ),
 }
 
@@ -137,7 +162,8 @@ def _betas(value: Any, type_name: str) -> tuple[float, float]:
 
 
 def build_optimizer(name: str, params: Mapping[str, Any] | None,
-                    parameters: Iterable[torch.Tensor] | Iterable[dict[str, Any]]) -> Optimizer:
+                    parameters: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+                    *, group: ProcessGroup | None = None) -> Optimizer:
     """Create the optimizer a DeepSpeed config's ``optimizer`` section describes.
 
     ``name`` is ``optimizer.type`` (case-insensitive): ``Adam`` gives AdamW (decoupled
@@ -145,7 +171,9 @@ def build_optimizer(name: str, params: Mapping[str, Any] | None,
     weight decay added to the gradient; ``AdamW`` always gives AdamW; ``Lamb`` gives
     :class:`~terascale.optim.lamb.Lamb`; ``SGD`` gives ``torch.optim.SGD``; ``Adam8bit`` and
     ``AdamW8bit`` give :class:`~terascale.optim.compact.CompactAdam` (8-bit moments, with
-    ``block_size`` and ``code``). ``params``
+    ``block_size`` and ``code``); ``OneBitAdam``, ``ZeroOneAdam`` and ``OneBitLamb`` give
+    terascale's 1-bit optimizers (:mod:`terascale.optim.onebit`), which average over
+    ``group`` (the data-parallel group; None: the default group). ``params``
     is ``optimizer.params``; omitted values take DeepSpeed's defaults (lr 1e-3, betas
     (0.9, 0.999), eps 1e-8, weight_decay 0). ``torch_adam: true`` selects torch's own
     defaults as DeepSpeed does (AdamW then decays by 0.01 unless weight_decay is given).
@@ -187,6 +215,9 @@ def build_optimizer(name: str, params: Mapping[str, Any] | None,
     if key == "lamb":
         options["betas"] = _betas(options["betas"], type_name)
         return Lamb(groups, **options)
+    if key in _ONEBIT_CLASSES:
+        options["betas"] = _betas(options["betas"], type_name)
+        return _ONEBIT_CLASSES[key](groups, **options, group=group)
     if key == "sgd":
         return torch.optim.SGD(groups, **options, **impl)
     if key in ("adam8bit", "adamw8bit"):

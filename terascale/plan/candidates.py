@@ -104,6 +104,7 @@ def knobs_from_config(cfg: Any) -> Knobs:
         state_bytes=optimizer_state_bytes(name, opt.params if opt is not None else None),
         optimizer=name,
         early_step=_early_step(cfg, name),
+        hpz=max(1, int(zero.zero_hpz_partition_size)),
     )
 
 

@@ -108,6 +108,7 @@ class Knobs:
     # ([Note: the optimizer step under backward]): final gradient shards go to their runs,
     # never to disk, and at most HELD_GROUPS groups of them wait in memory.
     early_step: bool = False
+    hpz: int = 1  # zero_hpz_partition_size: stage 3 keeps a secondary partition over this many ranks
 
 
 @dataclass(frozen=True)
@@ -214,6 +215,9 @@ def predict(profile: ModelProfile, shape: Shape, knobs: Knobs, world: int, runti
                               "offload_param buffers (buffer_count x largest shard)"))  # fmt: skip
         else:
             parts.append(Part("parameters", "host" if shape.offload_param == "cpu" else dev, shard, "parameter shards"))
+        if knobs.hpz > 1:  # [Note: ZeRO++ gathers]: kept on the device whatever the shards' tier
+            parts.append(Part("parameters", dev, sum(dyn) * c / min(knobs.hpz, n),
+                              "hpZ secondary partition (zero_hpz_partition_size)"))  # fmt: skip
     # Optimizer runs.
     shards = [g // n for g in groups] if s >= 1 else groups
     split = NVME_RUN_SPLIT_NUMEL if shape.offload_optimizer == "nvme" else RUN_SPLIT_NUMEL

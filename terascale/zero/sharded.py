@@ -281,6 +281,9 @@ class ShardedState:
         assert self.options.grads.reduce_every_micro_step and not isinstance(optimizer, Lamb)
         self.early = EarlyStep(self, optimizer, begin)
 
+    def gate_reduction(self, reduces: Callable[[], bool]) -> None:
+        raise AssertionError("optimizers that reduce their own gradients run at stage 0 (refused before this)")
+
     def prepare_backward(self, sync: bool) -> None:
         self.grads.prepare_backward(sync)
         order = self.early.arm(self.grads.scope) if sync and self.early is not None else None

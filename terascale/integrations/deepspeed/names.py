@@ -61,6 +61,8 @@ _ZERO = {
     "ZeroParamStatus": f"{_UTILS}:ZeroParamStatus",
 }
 _PIPE = {n: f"terascale.pipe:{n}" for n in ("PipelineModule", "LayerSpec", "TiedLayerSpec")}
+_ONEBIT = {"OnebitAdam": "terascale.optim.onebit:OneBitAdam", "ZeroOneAdam": "terascale.optim.zoadam:ZeroOneAdam",
+           "OnebitLamb": "terascale.optim.onebit_lamb:OneBitLamb"}
 _SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 _TOPOLOGIES = ("PipeModelDataParallelTopology", "PipeDataParallelTopology")
 _OPTIMIZER_NAMES = ("ADAM_OPTIMIZER", "ADAMW_OPTIMIZER", "LAMB_OPTIMIZER", "SGD_OPTIMIZER", "ONEBIT_ADAM_OPTIMIZER",
@@ -106,6 +108,12 @@ MODULES: dict[str, dict[str, str] | str] = {
         **{n: f"terascale.optim:{n}" for n in _SCHEDULERS},
         "VALID_LR_SCHEDULES": "terascale.optim:SUPPORTED_SCHEDULERS",
     },
+    # Older DeepSpeed's 1-bit optimizers (removed in DeepSpeed 0.19); the rest of runtime.fp16 is refused.
+    "runtime.fp16": {},
+    "runtime.fp16.onebit": _ONEBIT,
+    "runtime.fp16.onebit.adam": {"OnebitAdam": _ONEBIT["OnebitAdam"]},
+    "runtime.fp16.onebit.zoadam": {"ZeroOneAdam": _ONEBIT["ZeroOneAdam"]},
+    "runtime.fp16.onebit.lamb": {"OnebitLamb": _ONEBIT["OnebitLamb"]},
     "runtime.zero": _ZERO,
     "runtime.zero.partition_parameters": _ZERO,
     "runtime.zero.offload_config": {n: f"{_ENGINE_API}:{n}" for n in ("OffloadDeviceEnum", "OffloadStateTypeEnum")},
