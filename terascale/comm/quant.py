@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 
 _SCALE_BYTES = 4  # one fp32 scale per block
+# The two int4 codes of each byte value, high nibble first (stored as q + 8).
+_NIBBLES = torch.stack([torch.arange(256) // 16, torch.arange(256) % 16], dim=1).float().sub_(8.0)
 
 
 @dataclass(frozen=True)
@@ -74,12 +76,14 @@ def quantize(x: torch.Tensor, spec: BlockQuant, out: torch.Tensor | None = None)
     wide = torch.zeros(nb * spec.block, dtype=torch.float32, device=x.device)
     wide[:n].copy_(x.reshape(-1))
     blocks = wide.view(nb, spec.block)
-    absmax = blocks.abs().amax(dim=1, keepdim=True)
+    absmax = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=1, keepdim=True)
     scale = absmax / spec.qmax
-    # A zero block keeps codes 0 (no division by 0); a non-finite one gets codes 0 and its
-    # non-finite scale carries the overflow through (0 * inf = NaN on decode).
-    inv = torch.where((absmax > 0) & torch.isfinite(absmax), spec.qmax / absmax, torch.zeros_like(absmax))
-    q = blocks.mul_(inv).round_().clamp_(-spec.qmax, spec.qmax)
+    # A zero block (and one so small that qmax / absmax overflows) keeps codes 0; a
+    # non-finite one gets codes 0 and its non-finite scale carries the overflow through
+    # (0 * inf = NaN on decode). |x| * qmax / absmax rounds to at most qmax: no clamp.
+    inv = spec.qmax / absmax
+    inv = torch.where(torch.isfinite(inv) & torch.isfinite(absmax), inv, torch.zeros_like(inv))
+    q = blocks.mul_(inv).round_()
     codes = out[: nb * spec.block * spec.bits // 8]
     out[codes.numel() : spec.code_nbytes(n)].zero_()
     if spec.bits == 8:
@@ -100,15 +104,19 @@ def dequantize(message: torch.Tensor, spec: BlockQuant, out: torch.Tensor) -> to
     codes = message[: nb * spec.block * spec.bits // 8]
     scale = message[spec.code_nbytes(n) :].view(torch.float32).view(nb, 1)
     if spec.bits == 8:
-        q = codes.view(torch.int8).to(torch.float32)
-    else:
-        q = torch.empty(nb * spec.block, dtype=torch.float32, device=message.device)
-        pairs = q.view(-1, 2)
-        pairs[:, 0].copy_(codes.bitwise_right_shift(4))
-        pairs[:, 1].copy_(codes.bitwise_and(15))
-        q.sub_(8)
-    values = q.view(nb, spec.block).mul_(scale).view(-1)
-    out.reshape(-1).copy_(values[:n])
+        q = codes.view(torch.int8)
+    else:  # one lookup per byte: its two codes, high nibble first
+        q = _NIBBLES.to(message.device).index_select(0, codes.long()).view(-1)
+    flat = out.view(-1)
+    whole = n // spec.block * spec.block
+    if flat.dtype == torch.float32:  # decode straight into place (int8 x fp32 is fp32)
+        if whole:
+            torch.mul(q[:whole].view(-1, spec.block), scale[: whole // spec.block], out=flat[:whole].view(-1, spec.block))
+        if whole < n:
+            flat[whole:].copy_(q[whole:n] * scale[-1])
+        return out
+    values = q.view(nb, spec.block).to(torch.float32).mul_(scale).view(-1)
+    flat.copy_(values[:n])
     return out
 
 

@@ -187,15 +187,16 @@ class OneBitOptimizer(Optimizer):
             )
         return pair
 
-    def _compress(self, named: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    def _compress(self, named: list[tuple[str, torch.Tensor]], in_place: bool = False) -> list[torch.Tensor]:
         """The 1-bit averages of ``named`` tensors over the group, each with its own error
-        feedback, in one exchange (collective). On one rank: the tensors themselves, as
-        DeepSpeed skips the compression there."""
+        feedback, in one exchange (collective); ``in_place``: written into the tensors. On
+        one rank: the tensors themselves, as DeepSpeed skips the compression there."""
         if self.world_size() == 1:
             return [t for _, t in named]
         pairs = [self._error_pair(name, t.numel()) for name, t in named]
         return compressed_allreduce_many(
-            [t for _, t in named], [w for w, _ in pairs], [s for _, s in pairs], self._group, self.comm_stats
+            [t for _, t in named], [w for w, _ in pairs], [s for _, s in pairs], self._group, self.comm_stats,
+            in_place=in_place,
         )
 
     def zero_errors(self) -> None:
@@ -308,7 +309,7 @@ class OneBitAdam(OneBitOptimizer):
             for (_, group, p), state in zip(keyed, states):
                 b1 = group["betas"][0]
                 state["exp_avg"].mul_(b1).add_(self._local_grad(p), alpha=1 - b1)
-            averaged = self._compress([(key, state["exp_avg"]) for (key, _, _), state in zip(keyed, states)])
+            averaged = self._compress([(key, state["exp_avg"]) for (key, _, _), state in zip(keyed, states)], in_place=True)
             for (_, group, _), state, avg in zip(keyed, states, averaged):
                 if avg is not state["exp_avg"]:
                     state["exp_avg"].copy_(avg)
@@ -321,10 +322,13 @@ class OneBitAdam(OneBitOptimizer):
                 b1, b2 = group["betas"]
                 state["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1)
                 state["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-            update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])
+            denom = state["exp_avg_sq"].sqrt().add_(group["eps"])
             if group["weight_decay"] > 0.0:
+                update = state["exp_avg"] / denom
                 update.add_(p, alpha=group["weight_decay"])
-            p.add_(update, alpha=-group["lr"])
+                p.add_(update, alpha=-group["lr"])
+            else:  # p - lr * (m / denom), one pass fewer
+                p.addcdiv_(state["exp_avg"], denom, value=-group["lr"])
         return loss
 
     def _init_state(self, p: torch.Tensor, done: int) -> dict[str, Any]:
