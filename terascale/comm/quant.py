@@ -30,8 +30,6 @@ from dataclasses import dataclass
 import torch
 
 _SCALE_BYTES = 4  # one fp32 scale per block
-# The two int4 codes of each byte value, high nibble first (stored as q + 8).
-_NIBBLES = torch.stack([torch.arange(256) // 16, torch.arange(256) % 16], dim=1).float().sub_(8.0)
 
 
 @dataclass(frozen=True)
@@ -76,7 +74,7 @@ def quantize(x: torch.Tensor, spec: BlockQuant, out: torch.Tensor | None = None)
     wide = torch.zeros(nb * spec.block, dtype=torch.float32, device=x.device)
     wide[:n].copy_(x.reshape(-1))
     blocks = wide.view(nb, spec.block)
-    absmax = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=1, keepdim=True)
+    absmax = blocks.abs().amax(dim=1, keepdim=True)
     scale = absmax / spec.qmax
     # A zero block (and one so small that qmax / absmax overflows) keeps codes 0; a
     # non-finite one gets codes 0 and its non-finite scale carries the overflow through
@@ -105,8 +103,12 @@ def dequantize(message: torch.Tensor, spec: BlockQuant, out: torch.Tensor) -> to
     scale = message[spec.code_nbytes(n) :].view(torch.float32).view(nb, 1)
     if spec.bits == 8:
         q = codes.view(torch.int8)
-    else:  # one lookup per byte: its two codes, high nibble first
-        q = _NIBBLES.to(message.device).index_select(0, codes.long()).view(-1)
+    else:  # two codes a byte, high nibble first
+        q = torch.empty(nb * spec.block, dtype=torch.float32, device=message.device)
+        pairs = q.view(-1, 2)
+        pairs[:, 0].copy_(codes.bitwise_right_shift(4))
+        pairs[:, 1].copy_(codes.bitwise_and(15))
+        q.sub_(8)
     flat = out.view(-1)
     whole = n // spec.block * spec.block
     if flat.dtype == torch.float32:  # decode straight into place (int8 x fp32 is fp32)

@@ -378,7 +378,7 @@ class ShardedGrads:
         elif quantized is not None and g in quantized.groups and sparse is None:
             with ops.named_range("terascale::reduce_scatter group (quantized)", g):
                 work = reduce_scatter_quantized(comm[lo:hi], comm, quantized.nodes, quantized.spec, async_op=True)
-            self.comm.sent(sum(quantized_nbytes_sent(quantized.spec, hi - lo, quantized.nodes)))
+            self.comm.sent(sum(quantized_nbytes_sent(quantized.spec, hi - lo, quantized.nodes, comm.element_size())))
         elif pol.reduce_scatter:
             with ops.named_range("terascale::reduce_scatter group", g):
                 work = reduce_scatter_flat(comm[lo:hi], comm, pg, async_op=True)
