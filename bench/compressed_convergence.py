@@ -157,6 +157,8 @@ def plot(results: dict[str, dict], path: Path, freeze: int) -> None:
         print("matplotlib not installed: no plot", file=sys.stderr)
         return
     pairs = [(c, r) for c, r in REFERENCE.items() if c in results and r in results]
+    if not pairs:
+        return
     fig, axes = plt.subplots(1, len(pairs), figsize=(4.2 * len(pairs), 3.6), squeeze=False)
     for ax, (comp, ref) in zip(axes[0], pairs):
         for name, style in ((ref, "-"), (comp, "--")):
@@ -218,9 +220,9 @@ def main() -> None:
         else:
             line += f"{'':>8}{r['held_out']:>10.4f}"
         print(line)
-    plot(results, Path(args.png), args.freeze)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    plot(results, Path(args.png), args.freeze)
 
 
 if __name__ == "__main__":

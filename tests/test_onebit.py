@@ -367,7 +367,7 @@ def _resume_rank(path: str, optimizer: dict, total: int, save_at: int):
         got = dict(second.module.named_parameters())
         same.append(all(torch.equal(got[n], p) for n, p in params[step].items()))
     local = {k: float(v.abs().sum()) for k, v in second.optimizer.rank_local_state(False).items() if "error" in k}
-    return losses[save_at:] == resumed, same, local
+    return losses[save_at:] == resumed, same, local, losses[save_at:]
 
 
 RESUMED = [
@@ -381,6 +381,15 @@ RESUMED = [
 
 def _resume_all_rank(folder: str):
     return [_resume_rank(f"{folder}/{i}", opt, total, save_at) for i, (opt, total, save_at) in enumerate(RESUMED)]
+
+
+def _resume_in_new_processes(folder: str, i: int):
+    """After the processes that trained are gone (a kill), new ones load checkpoint ``i``
+    and train the rest: the losses of the run that went on."""
+    opt, total, save_at = RESUMED[i]
+    engine = engine_of(opt, gas=2)
+    engine.load_checkpoint(f"{folder}/{i}", tag="t")
+    return [train_step(engine, step) for step in range(save_at, total)]
 
 
 def _load_on_one_rank(folder: str):
@@ -398,10 +407,14 @@ def _load_on_one_rank(folder: str):
 
 
 def test_exact_resume_past_freeze_and_a_load_on_another_world_size(tmp_path):
-    for rank_results in run_ranks(_resume_all_rank, 2, str(tmp_path)):
-        for (same_losses, same_params, errors), (opt, _, _) in zip(rank_results, RESUMED):
+    first = run_ranks(_resume_all_rank, 2, str(tmp_path))
+    for rank_results in first:
+        for (same_losses, same_params, errors, _), (opt, _, _) in zip(rank_results, RESUMED):
             assert same_losses and all(same_params), (opt["type"], same_params)
             assert errors and any(v > 0 for v in errors.values()), (opt["type"], errors)  # restored, not reset
+    # 0/1 Adam saved mid-interval, resumed by new processes
+    resumed = run_ranks(_resume_in_new_processes, 2, str(tmp_path), 1)
+    assert [r[1][3] for r in first] == resumed
     (records, losses, steps), = run_ranks(_load_on_one_rank, 1, str(tmp_path))
     assert any("saved on 2 ranks and loads on 1" in r and "error feedback" in r for r in records), records
     assert steps == 6 and all(math.isfinite(v) for v in losses)
