@@ -569,7 +569,8 @@ def test_offload_settings_are_built() -> None:
 def test_require_built_lists_everything_at_once() -> None:
     problems = _unbuilt(
         {
-            "zero_optimization": {"stage": 2, "zero_quantized_gradients": True},
+            "zero_optimization": {"stage": 3, "zero_quantized_gradients": True,  # built
+                                  "zero_quantized_nontrainable_weights": True},
             "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True},
             "flops_profiler": {"enabled": True},  # built
             "comms_logger": {"enabled": True},  # built
@@ -581,7 +582,7 @@ def test_require_built_lists_everything_at_once() -> None:
     )
     settings = [p.split(": ", 1)[0] for p in problems]
     assert settings == [
-        "zero_optimization.zero_quantized_gradients=true",
+        "zero_optimization.zero_quantized_nontrainable_weights=true",
         "checkpoint.use_node_local_storage=true",
         "compression_training.sparse_pruning.shared_parameters.enabled=true",
     ]
