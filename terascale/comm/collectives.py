@@ -81,9 +81,11 @@ def _use_point_to_point(group: ProcessGroup) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-class _PointToPointWork:
-    """Sends and receives of one collective in flight; ``wait()`` finishes them, then
-    ``then()``, then tells a recorder the collective is done (``done``)."""
+class PendingWork:
+    """Works of one collective in flight (the sends and receives of a point-to-point
+    exchange, or the collectives a composed one is made of); ``wait()`` finishes them, then
+    ``then()`` (local work that completes the collective), then tells a recorder the
+    collective is done (``done``)."""
 
     def __init__(
         self, works: list[dist.Work], then: Callable[[], None] | None = None, done: Callable[[], None] | None = None
@@ -120,7 +122,8 @@ def _exchange(
     return works
 
 
-def _finish(work: _PointToPointWork, async_op: bool) -> _PointToPointWork | None:
+def finish(work: PendingWork, async_op: bool) -> PendingWork | None:
+    """``work`` for an asynchronous caller; otherwise wait for it here and return None."""
     if async_op:
         return work
     work.wait()
@@ -154,7 +157,7 @@ def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int]
 
 def all_gather_flat(
     output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool = False
-) -> dist.Work | _PointToPointWork | None:
+) -> dist.Work | PendingWork | None:
     """Fill ``output`` (``world * shard.numel()`` elements) with every rank's ``shard``, in rank order.
 
     ``shard`` may be this rank's own slice of ``output`` (in place).
@@ -170,12 +173,12 @@ def all_gather_flat(
             own.copy_(shard)
     with ops.composed("all_gather_into_tensor", shard, group) as done:
         works = _exchange(group, send=lambda _: own, recv=lambda src: output[src * n : (src + 1) * n])
-    return _finish(_PointToPointWork(works, done=done), async_op)
+    return finish(PendingWork(works, done=done), async_op)
 
 
 def reduce_scatter_flat(
     output: torch.Tensor, full: torch.Tensor, group: ProcessGroup, async_op: bool = False
-) -> dist.Work | _PointToPointWork | None:
+) -> dist.Work | PendingWork | None:
     """Sum ``full`` over the ranks of ``group``; this rank keeps its slice of the sum in ``output``.
 
     Rank r receives elements ``[r * n, (r + 1) * n)`` with ``n = output.numel()``. ``output``
@@ -202,7 +205,7 @@ def reduce_scatter_flat(
         if own.data_ptr() != output.data_ptr():
             output.copy_(own)
 
-    return _finish(_PointToPointWork(works, accumulate, done), async_op)
+    return finish(PendingWork(works, accumulate, done), async_op)
 
 
 def global_grad_norm(

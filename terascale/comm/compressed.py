@@ -49,7 +49,6 @@ from terascale.comm import ops
 from terascale.comm.collectives import all_gather_flat
 
 _SCALE_BYTES = 4  # one float32 scale in front of each tensor's signs
-_SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)  # MSB first
 # [Note: packing signs with one multiply]: 8 flag bytes (0/1) read as one little-endian
 # int64 w = sum b_i 2^(8i); w * 0x8040201008040201 puts b_i at bit 63 - i (the term
 # 2^(8i + 63 - 9i)) and every other product below bit 56 or above bit 63 (no two at one
@@ -84,15 +83,10 @@ def padded_numel(numel: int, world: int) -> int:
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """The signs of ``x`` (a multiple of 8 elements) as bits, 8 to a uint8, first element
-    in the most significant bit (``numpy.packbits`` order); a bit is 1 where ``x >= 0``."""
-    assert x.numel() % 8 == 0, x.numel()
-    return pack_flags(x.reshape(-1) >= 0)
-
-
-def pack_flags(flags: torch.Tensor) -> torch.Tensor:
-    """A flat bool tensor (a multiple of 8 elements) packed 8 to a uint8, MSB first
+    in the most significant bit (``numpy.packbits`` order); a bit is 1 where ``x >= 0``
     ([Note: packing signs with one multiply])."""
-    words = flags.contiguous().view(torch.uint8).view(torch.int64)
+    assert x.numel() % 8 == 0, x.numel()
+    words = (x.reshape(-1) >= 0).view(torch.uint8).view(torch.int64)
     return ((words * _PACK_MAGIC) >> 56).bitwise_and_(0xFF).to(torch.uint8)
 
 
@@ -103,11 +97,6 @@ def unpack_signs(packed: torch.Tensor, scale: float | torch.Tensor = 1.0) -> tor
     if not (isinstance(scale, float) and scale == 1.0):
         table = table * scale
     return table.index_select(0, packed.reshape(-1).long()).reshape(-1)
-
-
-def signs(x: torch.Tensor) -> torch.Tensor:
-    """``sgn(x)`` of the note: +1.0 where ``x >= 0``, else -1.0 (float32)."""
-    return (x >= 0).to(torch.float32).mul_(2.0).sub_(1.0)
 
 
 def rms(x: torch.Tensor) -> torch.Tensor:

@@ -34,48 +34,19 @@ launched them, as it does plain reduce-scatters.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from terascale.comm import ops
-from terascale.comm.collectives import all_gather_flat, reduce_scatter_flat
+from terascale.comm.collectives import PendingWork, all_gather_flat, finish, reduce_scatter_flat
 from terascale.comm.hierarchy import NodeGroups
 from terascale.comm.quant import BlockQuant, dequantize, dequantize_add, quantize
 
 
-class _ThenWork:
-    """A collective in flight (``work``, or None if it finished already) followed by local
-    work ``then`` once it has completed."""
-
-    def __init__(self, work: object | None, then: Callable[[], None]) -> None:
-        self._work, self._then = work, then
-
-    def wait(self) -> bool:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        if self._then is not None:
-            then, self._then = self._then, None
-            then()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._then is None
-
-
-def _finish(work: _ThenWork, async_op: bool) -> _ThenWork | None:
-    if async_op:
-        return work
-    work.wait()
-    return None
-
-
 def all_gather_quantized(
     output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, spec: BlockQuant, async_op: bool = False
-) -> _ThenWork | None:
+) -> PendingWork | None:
     """Fill ``output`` (``world * shard.numel()`` elements) with every rank's ``shard`` in
     rank order, each sent as ``spec``'s block codes and decoded on arrival.
 
@@ -96,12 +67,12 @@ def all_gather_quantized(
         for r in range(world):
             dequantize(messages[r * m : (r + 1) * m], spec, flat[r * n : (r + 1) * n])
 
-    return _finish(_ThenWork(work, decode), async_op)
+    return finish(PendingWork([] if work is None else [work], decode), async_op)
 
 
 def reduce_scatter_quantized(
     output: torch.Tensor, full: torch.Tensor, nodes: NodeGroups, spec: BlockQuant, async_op: bool = False
-) -> _ThenWork | None:
+) -> PendingWork | None:
     """Sum ``full`` over the ranks of the group ``nodes`` splits; this rank keeps its chunk
     of the sum in ``output`` (chunk r = elements ``[r*n, (r+1)*n)``, r the group rank, as
     :func:`terascale.comm.collectives.reduce_scatter_flat`), summing inside the node in full
@@ -145,7 +116,7 @@ def reduce_scatter_quantized(
             dequantize_add(received[j * m : (j + 1) * m], spec, total)
         output.view(-1).copy_(total)
 
-    return _finish(_ThenWork(work, across_nodes), async_op)
+    return finish(PendingWork([] if work is None else [work], across_nodes), async_op)
 
 
 def quantized_nbytes_sent(spec: BlockQuant, chunk_numel: int, nodes: NodeGroups, itemsize: int) -> tuple[int, int]:

@@ -263,7 +263,7 @@ class FlatParamGroup:
         self._buffers = buffers
         # [Note: ZeRO++ gathers]
         self.quant = None if persistent else quant
-        self.secondary_group = None if persistent or secondary_group is None else secondary_group
+        self.secondary_group = None if persistent else secondary_group
         self.secondary: torch.Tensor | None = None  # this rank's 1/h slice, while valid
         self._full_as_computed = True  # the full buffer holds what a training gather gives
 
@@ -285,8 +285,10 @@ class FlatParamGroup:
         # detector subtracts it from compute time: [Note: straggler compute time]).
         self.blocked_s = 0.0
         if not persistent:
+            # The first secondary partition comes from the first training gather, like every
+            # step's ([Note: ZeRO++ gathers]), not from these initial values.
+            self._full_as_computed = False
             self.reshard()
-            self.secondary = None  # built from the first gather, like every step's ([Note: ZeRO++ gathers])
 
     # -- gathering and freeing -------------------------------------------------------------
 
