@@ -114,7 +114,7 @@ def _train(zpp: dict, steps: int, record: bool = False, checks: bool = False, **
                 for fg in groups:
                     if fg.secondary is not None:
                         # what the forward computed with: the shards, decoded if sent as codes
-                        lo, hi = fg._secondary_range()
+                        lo, hi = fg.secondary_range()
                         secondary_ok.append(torch.equal(fg.secondary, _forward_full(fg)[lo:hi]))
                 fg0 = next(fg for fg in groups if any(p is first.weight for p in fg.params))
                 if fg0.quant is not None:

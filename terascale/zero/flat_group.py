@@ -299,7 +299,7 @@ class FlatParamGroup:
         assert not self.persistent, "a persistent group is never resharded"
         assert self.state is ShardState.UNSHARDED, f"reshard from {self.state}"
         if self.secondary_group is not None and self.secondary is None and self._full_as_computed:
-            lo, hi = self._secondary_range()
+            lo, hi = self.secondary_range()
             self.secondary = self._full[lo:hi].clone()
         self._point_params_at([self._empty] * len(self.params))
         if self._buffers is None or not keep_memory:
@@ -333,7 +333,9 @@ class FlatParamGroup:
         """The shards changed: the next gather is a primary one ([Note: ZeRO++ gathers])."""
         self.secondary = None
 
-    def _secondary_range(self) -> tuple[int, int]:
+    def secondary_range(self) -> tuple[int, int]:
+        """Elements ``[lo, hi)`` of the padded full buffer that this rank's hpZ secondary
+        partition holds ([Note: ZeRO++ gathers])."""
         assert self.secondary_group is not None
         n = self.layout.padded_numel // dist.get_world_size(self.secondary_group)
         j = dist.get_rank(self.secondary_group)
@@ -344,7 +346,7 @@ class FlatParamGroup:
             if self.home is not None:  # the tier's fetch of this shard (if any) is released unread
                 self.home.ready(self)
                 self.home.consumed(self)
-            lo, hi = self._secondary_range()
+            lo, hi = self.secondary_range()
             own = self._full[lo:hi]
             with torch.no_grad():
                 own.copy_(self.secondary)
