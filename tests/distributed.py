@@ -7,13 +7,20 @@ An exception on any rank fails the test with that rank's traceback;
 a hang fails after ``timeout`` seconds instead of blocking the suite.
 
 [Note: forked ranks]
-Ranks are forked from multiprocessing's fork server, which imports torch and terascale
-once per test session, rather than spawned: a spawned rank imports torch afresh, about 2.5 s
-of the machine's two CPUs for every ``run_ranks`` call, which was a third of the suite.
-Forking from the server is safe where forking the test process would not be: the server
-only imports (no CUDA context, no OpenMP pool, no process group), exactly as a DataLoader
-worker is forked after ``import torch``. Each rank still gets a fresh interpreter state
-for everything the test does: it starts from the server's imports, not from the tests'.
+Ranks are forked from multiprocessing's fork server, which imports torch, every terascale
+module and the libraries ranks use (``rank_imports.py`` names them) once per test session,
+rather than spawned: a spawned rank imports torch afresh, about 2.5 s of the machine's two
+CPUs for every ``run_ranks`` call, which was a third of the suite, and a rank forked from a
+server that had imported only torch and terascale's top package still spent 2.5 of a small
+test's 2.7 s importing (torch._dynamo, the engine, transformers). Forking from the server
+is safe where forking the test process would not be: the server only imports (no CUDA
+context, no OpenMP pool, no process group, no thread: test_harness.py checks), exactly as a
+DataLoader worker is forked after ``import torch``. Each rank still gets a fresh process
+for everything the test does, so nothing a test did in its ranks (a process group, global
+state, a hang, a crash) outlives its call: the next call forks new ranks. Keeping ranks
+alive across tests with their group formed (DeepSpeed's ``reuse_dist_env``) would save
+only the group's formation, measured at 0.05-0.1 s a call here, at the cost of that
+isolation.
 The environment is the test process's when the server started, plus the torchrun
 variables set below; a test needing more for its ranks passes it as an argument.
 
@@ -35,15 +42,65 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-
-# What the fork server imports once (see the note at the top).
-_PRELOAD = ["torch", "torch.distributed", "terascale"]
+from rank_imports import preload_names
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def forked_context() -> mp.context.BaseContext:
+    """The multiprocessing context whose processes fork from the warm server (see the note
+    at the top). Every test that starts processes through multiprocessing takes it from
+    here: a process has one fork server, and whoever starts it first fixes its imports.
+    ``TERASCALE_TEST_START=spawn`` starts fresh interpreters instead (slow; for debugging
+    what the server's imports might hide or cause)."""
+    if os.environ.get("TERASCALE_TEST_START") == "spawn":  # debugging: fresh interpreters, no server
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(preload_names())  # read when the server starts, on the first use
+    return ctx
+
+
+def run_forked(fn: Callable, *args: Any, timeout: float = 120.0) -> tuple[int | None, Any]:
+    """Call ``fn(*args, results)`` in one process forked from the warm server, for what needs a
+    process of its own but no group (a process that kills itself, a resource limit): (its exit
+    code, what it put in the ``results`` queue, or None). Its stderr is the test's."""
+    ctx = forked_context()
+    results = ctx.Queue()
+    proc = ctx.Process(target=fn, args=(*args, results))
+    proc.start()
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        raise TimeoutError(f"{fn.__name__}: did not finish within {timeout:.0f}s")
+    try:
+        return proc.exitcode, results.get(timeout=5) if proc.exitcode == 0 else None
+    except queue.Empty:
+        return proc.exitcode, None
+
+
+def _script(path: str, argv: list[str], results: mp.Queue) -> None:
+    import runpy
+    import sys
+
+    import torch
+
+    torch.set_num_threads(1)
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(path))  # as `python PATH` puts its folder first
+    runpy.run_path(path, run_name="__main__")
+    results.put(0)
+
+
+def run_script(path: str | os.PathLike, *argv: str, timeout: float = 120.0) -> None:
+    """``python PATH ARGV...`` on one CPU thread, in a process forked from the warm server (the
+    same program, without its 2-4 s of imports); fails on a non-zero exit."""
+    code, _ = run_forked(_script, str(path), list(argv), timeout=timeout)
+    assert code == 0, f"{path} {' '.join(argv)}: exit code {code} (its output is the test's)"
 
 
 def _entry(
@@ -91,8 +148,7 @@ def run_ranks(
     # every rank runs on the CPU (gloo).
     if device is None and torch.cuda.device_count() < world_size:
         device = "cpu"
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts, on the first call
+    ctx = forked_context()
     results: mp.Queue = ctx.Queue()
     # Hosted here until every rank has exited; port 0: the system picks a free one.
     store = torch.distributed.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)

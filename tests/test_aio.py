@@ -6,10 +6,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import multiprocessing as mp
 import os
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 
@@ -22,6 +20,8 @@ from terascale.offload import probe
 from terascale.offload.host_buffers import HUGE_PAGE, on_huge_pages
 from terascale.offload.kernel_aio import open_queue
 from terascale.offload.probe import aio_options
+
+from distributed import run_forked
 
 BACKENDS = ["threads"] + (["kernel"] if open_queue(1) is not None else [])
 
@@ -95,26 +95,28 @@ def test_short_read_is_an_error_not_silent_garbage(tmp_path, backend):
             aio.sync_read(dst, path)
 
 
+def _write_past_a_file_size_limit(path: str, backend: str, said: mp.Queue) -> None:  # type: ignore[valid-type]
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    t = aligned_empty(1 << 20, torch.float32)  # 4 MiB
+    with AsyncIO(AioOptions(block_size=1 << 20, backend=backend)) as aio:
+        try:
+            aio.sync_write(t, path)
+        except AioError as exc:
+            said.put(f"ERROR {exc}")
+        else:
+            said.put("no error")
+
+
 def test_a_failed_write_raises_with_the_path(tmp_path, backend):
     # A file-size limit makes the kernel refuse writes past it (EFBIG), as a full disk
-    # refuses them (ENOSPC); run in a child so the limit binds nothing else.
-    script = textwrap.dedent(
-        f"""
-        import resource, signal, torch
-        from terascale.offload import AioError, AioOptions, AsyncIO, aligned_empty
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-        t = aligned_empty(1 << 20, torch.float32)  # 4 MiB
-        with AsyncIO(AioOptions(block_size=1 << 20, backend={backend!r})) as aio:
-            try:
-                aio.sync_write(t, {str(tmp_path / "big.bin")!r})
-            except AioError as exc:
-                print("ERROR", exc)
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert "ERROR" in out.stdout and "big.bin" in out.stdout and "write of bytes" in out.stdout
+    # refuses them (ENOSPC); run in a process of its own so the limit binds nothing else.
+    code, said = run_forked(_write_past_a_file_size_limit, str(tmp_path / "big.bin"), backend, timeout=60)
+    assert code == 0 and isinstance(said, str), f"exit code {code}"
+    assert "ERROR" in said and "big.bin" in said and "write of bytes" in said
 
 
 def test_options_are_checked_and_read_from_the_config():

@@ -9,16 +9,16 @@ continues on plain PyTorch's trajectory (fp32, 1e-5 relative).
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from distributed import run_ranks
+from distributed import run_forked, run_ranks
 from parity import LR, WD
 from toy import make_data, make_model, reference_train
 
@@ -309,58 +309,67 @@ def test_checkpoint_files_retention_and_errors(tmp_path):
 # remove, mkdir, rmtree) and every data write (os.pwritev, which the I/O engine looks up at
 # each call) is a point, and the script SIGKILLs itself at the N-th one. The same points
 # happen whatever the machine's speed, so each kill lands where the test says.
-_KILLED_SAVE = r"""
-import os, signal, sys, threading
-import torch, terascale
-root, kill_at = sys.argv[1], int(sys.argv[2])
-EVENTS = {"open", "os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree", "os.truncate"}
-lock = threading.Lock()
-points = {"armed": False, "count": 0}
-def point():
-    with lock:
-        if points["armed"]:
-            points["count"] += 1
-            if points["count"] == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-sys.addaudithook(lambda event, args: point() if event in EVENTS else None)
-_pwritev = os.pwritev
-def pwritev(*args):
-    point()
-    return _pwritev(*args)
-os.pwritev = pwritev
-torch.manual_seed(0)
-model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
-config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-          "zero_optimization": {"stage": 2}}
-engine, *_ = terascale.initialize(model=model, config=config)
-def step():
-    loss = engine(torch.randn(2, 256)).square().mean()
-    engine.backward(loss)
-    engine.step()
-step()
-engine.save_checkpoint(root, tag="first")
-step()
-points["armed"] = True
-engine.save_checkpoint(root, tag="second")
-engine.save_checkpoint(root, tag="first")  # replacing a tag: the old folder is swapped out
-points["armed"] = False
-print(points["count"], flush=True)
-"""
+def _killed_save(root: str, kill_at: int, counted: mp.Queue) -> None:  # type: ignore[valid-type]
+    """(In a process of its own, which may be killed) train two steps and save three
+    checkpoints, killing itself with SIGKILL at the ``kill_at``-th file-system call of the
+    last two saves (0: never); put how many such calls there were."""
+    import threading
+
+    import terascale
+
+    torch.set_num_threads(1)
+    events = {"open", "os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree", "os.truncate"}
+    lock = threading.Lock()
+    points = {"armed": False, "count": 0}
+
+    def point() -> None:
+        with lock:
+            if points["armed"]:
+                points["count"] += 1
+                if points["count"] == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+    sys.addaudithook(lambda event, args: point() if event in events else None)
+    real_pwritev = os.pwritev
+
+    def pwritev(*args: object) -> int:
+        point()
+        return real_pwritev(*args)
+
+    os.pwritev = pwritev  # this process only: it ends with the test's saves
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 2}}  # fmt: skip
+    engine, *_ = terascale.initialize(model=model, config=config)
+
+    def step() -> None:
+        loss = engine(torch.randn(2, 256)).square().mean()
+        engine.backward(loss)
+        engine.step()
+
+    step()
+    engine.save_checkpoint(root, tag="first")
+    step()
+    points["armed"] = True
+    engine.save_checkpoint(root, tag="second")
+    engine.save_checkpoint(root, tag="first")  # replacing a tag: the old folder is swapped out
+    points["armed"] = False
+    counted.put(points["count"])
+
 
 KILL_POINTS = 10
 
 
-def _run_saves(root: Path, kill_at: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(root), str(kill_at)], capture_output=True, text=True, env=env)
+def _run_saves(root: Path, kill_at: int) -> tuple[int, object]:
+    return run_forked(_killed_save, str(root), kill_at)
 
 
 @pytest.fixture(scope="module")
 def save_points(tmp_path_factory) -> int:
     """How many kill points the two saves pass (a run that is not killed counts them)."""
-    done = _run_saves(tmp_path_factory.mktemp("count") / "ckpt", 0)
-    assert done.returncode == 0, done.stderr
-    count = int(done.stdout.split()[-1])
+    code, count = _run_saves(tmp_path_factory.mktemp("count") / "ckpt", 0)
+    assert code == 0 and isinstance(count, int), f"the saves failed (exit code {code}): see the test's stderr"
     assert count >= 2 * KILL_POINTS, f"only {count} points in two saves"
     return count
 
@@ -371,8 +380,8 @@ def test_a_save_killed_at_any_moment_leaves_a_loadable_checkpoint(tmp_path, whic
 
     root = tmp_path / "ckpt"
     kill_at = 1 + which * save_points // KILL_POINTS  # spread over both saves, first to last
-    done = _run_saves(root, kill_at)
-    assert done.returncode == -signal.SIGKILL, f"not killed at point {kill_at} of {save_points}: {done.stderr}"
+    code, _ = _run_saves(root, kill_at)
+    assert code == -signal.SIGKILL, f"not killed at point {kill_at} of {save_points}: exit code {code}"
     folder = CheckpointDirectory(root).resolve(None)  # what `latest` names (or its swapped-out copy)
     state = consolidated_state_dict(folder)
     assert len(state) == 16 and all(torch.isfinite(t).all() for t in state.values())
@@ -456,35 +465,41 @@ def test_consolidation_gives_state_dicts_that_plain_models_and_from_pretrained_l
     assert main(["consolidate", str(tmp_path / "toy"), str(tmp_path / "x"), "--hf"]) == 2  # not a HF model
 
 
-_FULL_DISK_SAVE = r"""
-import resource, signal, sys, torch, terascale
-from terascale.checkpoint import CheckpointError
-root = sys.argv[1]
-model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
-config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-          "zero_optimization": {"stage": 2}}
-engine, *_ = terascale.initialize(model=model, config=config)
-loss = engine(torch.randn(2, 256)).square().mean(); engine.backward(loss); engine.step()
-engine.save_checkpoint(root, tag="good")
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
-resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))  # files up to 1 MiB: a full disk
-try:
-    engine.save_checkpoint(root, tag="bad")
-except CheckpointError as exc:
-    print("ERROR", exc)
-"""
+def _full_disk_save(root: str, said: mp.Queue) -> None:  # type: ignore[valid-type]
+    """(In a process of its own) save a checkpoint, then another with files capped at 1 MiB
+    (a full disk); put what the failed save said."""
+    import resource
+
+    import terascale
+    from terascale.checkpoint import CheckpointError
+
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 2}}  # fmt: skip
+    engine, *_ = terascale.initialize(model=model, config=config)
+    loss = engine(torch.randn(2, 256)).square().mean()
+    engine.backward(loss)
+    engine.step()
+    engine.save_checkpoint(root, tag="good")
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))  # files up to 1 MiB: a full disk
+    try:
+        engine.save_checkpoint(root, tag="bad")
+    except CheckpointError as exc:
+        said.put(f"ERROR {exc}")
+    else:
+        said.put("no error")
 
 
 def test_a_save_that_runs_out_of_space_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path):
     from terascale.checkpoint import CheckpointDirectory, consolidated_state_dict
 
     root = tmp_path / "ckpt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", _FULL_DISK_SAVE, str(root)], capture_output=True, text=True, env=env,
-                          timeout=120)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "ERROR saving checkpoint 'bad' failed" in proc.stdout, proc.stdout
-    assert "rank00000-of-00001.safetensors" in proc.stdout and "earlier checkpoints are untouched" in proc.stdout
+    code, said = run_forked(_full_disk_save, str(root))
+    assert code == 0 and isinstance(said, str), f"exit code {code}: see the test's stderr"
+    assert "ERROR saving checkpoint 'bad' failed" in said, said
+    assert "rank00000-of-00001.safetensors" in said and "earlier checkpoints are untouched" in said
     directory = CheckpointDirectory(root)
     assert directory.latest() == "good" and directory.tags() == ["good"]
     assert not (root / ".bad.partial").exists()

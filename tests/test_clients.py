@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from distributed import run_script
+
 ROOT = Path(__file__).resolve().parent.parent
 CLIENTS = Path(__file__).resolve().parent / "clients"
 
@@ -107,9 +109,8 @@ def test_gpt_loop_with_comm_accelerator_and_direct_backward_matches_plain_pytorc
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(config))
     run("gpt_loop_style.py", "--deepspeed_config", str(path), "--out", str(tmp_path))
-    subprocess.run([sys.executable, str(CLIENTS / "gpt_loop_style.py"), "--reference", "--world", "2",
-                    "--deepspeed_config", str(path), "--out", str(tmp_path)], check=True, timeout=120,
-                   env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    run_script(CLIENTS / "gpt_loop_style.py", "--reference", "--world", "2", "--deepspeed_config", str(path),
+               "--out", str(tmp_path))
     reference = json.loads((tmp_path / "reference.json").read_text())
     torch.testing.assert_close(torch.tensor(result(tmp_path)["losses"]), torch.tensor(reference["losses"]),
                                rtol=1e-5, atol=0)

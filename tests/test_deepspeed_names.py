@@ -322,6 +322,7 @@ def test_safe_get_full_at_zero3_on_two_ranks_and_zero_to_fp32(tmp_path: Path) ->
 # -- the engine's DeepSpeed methods --------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("own_process_group")
 def test_engine_methods() -> None:
     import terascale as deepspeed
     from terascale.integrations.deepspeed.names import resolve
@@ -376,6 +377,7 @@ def test_engine_methods() -> None:
     assert engine.global_steps == 2
 
 
+@pytest.mark.usefixtures("own_process_group")
 def test_no_sync_is_refused_where_gradients_are_partitioned() -> None:
     import terascale as deepspeed
 
@@ -388,6 +390,7 @@ def test_no_sync_is_refused_where_gradients_are_partitioned() -> None:
 # -- ops, config, utils --------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("own_process_group")
 def test_optimizer_classes_build_what_zero_steps() -> None:
     import terascale as deepspeed
     from terascale.ops.adagrad import DeepSpeedCPUAdagrad

@@ -25,6 +25,8 @@ from terascale.checkpoint.directory import CheckpointDirectory, verify
 from terascale.checkpoint.lease import DirectoryLease, LeaseHeldError, LeaseLostError, LeasePolicy, LeaseSet
 from terascale.launcher.rendezvous import rendezvous_conf
 
+from distributed import forked_context
+
 FAST = LeasePolicy(heartbeat_s=0.1, expiry_s=0.5)
 JOB = Path(__file__).parent / "scripts" / "lease_job.py"
 
@@ -43,7 +45,7 @@ def _hold(root: str, job: str, ready: mp.Event, *, skew_s: float = 0.0, beat: bo
 
 
 def _holder(root: Path, job: str, **kwargs: object) -> mp.Process:
-    ctx = mp.get_context("spawn")
+    ctx = forked_context()
     ready = ctx.Event()
     proc = ctx.Process(target=_hold, args=(str(root), job, ready), kwargs=kwargs, daemon=True)
     proc.start()
@@ -133,7 +135,7 @@ def _hold_and_die(root: str, ready: mp.Event) -> None:  # type: ignore[valid-typ
 def test_a_holder_process_that_died_on_this_host_is_replaced_at_once(tmp_path: Path) -> None:
     """A rank 0 killed with SIGKILL releases nothing; on its own host its pid shows it is gone,
     so a restarted job does not wait for the expiry (60 s here)."""
-    ctx = mp.get_context("spawn")
+    ctx = forked_context()
     ready = ctx.Event()
     proc = ctx.Process(target=_hold_and_die, args=(str(tmp_path), ready))
     proc.start()
@@ -160,7 +162,7 @@ def _contend(root: str, barrier: mp.Barrier, results: mp.Queue) -> None:  # type
 
 
 def test_many_contenders_for_a_free_directory_exactly_one_wins(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
+    ctx = forked_context()
     n = 6
     barrier, results = ctx.Barrier(n), ctx.Queue()
     procs = [ctx.Process(target=_contend, args=(str(tmp_path), barrier, results)) for _ in range(n)]
@@ -328,6 +330,7 @@ def test_terascale_run_refuses_unsafe_settings_before_starting_anything() -> Non
     assert proc.returncode == 2 and "could split the job" in proc.stderr, proc.stderr
 
 
+@pytest.mark.usefixtures("own_process_group")
 def test_a_full_disk_at_start_warns_and_the_first_save_takes_the_lease(tmp_path: Path, monkeypatch, caplog) -> None:
     """The lease cannot be written on a full disk; a restarted job then trains on (its saves
     fail and count, as any save on that disk) instead of failing at start-up, and the first

@@ -22,7 +22,7 @@ import torch
 
 from terascale.checkpoint.directory import CheckpointDirectory, verify
 
-from distributed import free_port
+from distributed import free_port, run_script
 
 SCRIPT = Path(__file__).parent / "scripts" / "resilient_train.py"
 STEPS = 12
@@ -88,8 +88,7 @@ def final(folder: Path) -> dict:
 def reference(tmp: Path, *extra: str) -> dict:
     folder = tmp / "reference"
     folder.mkdir(exist_ok=True)
-    subprocess.run([sys.executable, str(SCRIPT), "--reference", "--out", str(folder), "--steps", str(STEPS), *extra],
-                   check=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run_script(SCRIPT, "--reference", "--out", str(folder), "--steps", str(STEPS), *extra)
     return torch.load(folder / "reference.pt")
 
 
