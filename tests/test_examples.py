@@ -63,14 +63,45 @@ def test_generate_is_reproducible_and_extends_the_prompt():
     assert a.shape == (24,) and torch.equal(a, b) and torch.equal(a[:4], prompt)
 
 
-@pytest.mark.parametrize("config", ["gpt_demo.json", "gpt_demo_nvme.json"])
-def test_demo_trains_on_two_ranks(tmp_path, config):
+def test_demo_dtype_rule_takes_bf16_only_where_it_is_not_slower():
+    from train_gpt import choose_dtype
+
+    assert choose_dtype(200.0, 90.0) == "bf16"  # AVX-512 BF16: bf16 about twice fp32
+    assert choose_dtype(90.0, 90.0) == "bf16"  # a tie: bf16 halves the bytes moved
+    assert choose_dtype(6.0, 85.0) == "fp32"  # AVX2 only: bf16 falls back to a slow path
+    with pytest.raises(ValueError, match="positive"):
+        choose_dtype(0.0, 85.0)
+
+
+def test_demo_dtype_overrides_the_config_and_follows_a_resumed_run(tmp_path):
+    from train_gpt import config_dtype, resumed_run_dtype, with_dtype
+
+    config = json.loads((ROOT / "examples" / "configs" / "gpt_demo.json").read_text())
+    assert config_dtype(config) == "bf16"
+    fp32 = with_dtype(config, "fp32")
+    assert fp32["bf16"] == {"enabled": False} and config_dtype(fp32) == "fp32" and config["bf16"]["enabled"]
+    assert {k: v for k, v in fp32.items() if k != "bf16"} == {k: v for k, v in config.items() if k != "bf16"}
+    assert config_dtype(with_dtype({"fp16": {"enabled": True, "loss_scale": 0}}, "bf16")) == "bf16"
+    with pytest.raises(ValueError, match="'bf16' or 'fp32'"):
+        with_dtype(config, "fp16")
+    # --resume-from OUT/checkpoints/global_stepN: the saving run's OUT/metrics.json decides.
+    checkpoint = tmp_path / "demo" / "checkpoints" / "global_step100"
+    checkpoint.mkdir(parents=True)
+    assert resumed_run_dtype(str(checkpoint)) is None  # not written yet: the resumed run measures
+    (tmp_path / "demo" / "metrics.json").write_text(json.dumps({"dtype": "float32"}))
+    assert resumed_run_dtype(str(checkpoint)) == ("fp32", tmp_path / "demo" / "metrics.json")
+    assert resumed_run_dtype(str(checkpoint.parent)) == ("fp32", tmp_path / "demo" / "metrics.json")
+
+
+@pytest.mark.parametrize(("config", "dtype"), [("gpt_demo.json", "auto"), ("gpt_demo_nvme.json", "bf16")])
+def test_demo_trains_on_two_ranks(tmp_path, config, dtype):
     """The demo script end to end, through the launcher, with a small model and few steps
-    (the NVMe config: optimizer state and parameters in swap files under ./runs)."""
+    (the NVMe config: optimizer state and parameters in swap files under ./runs, in bf16
+    whatever this CPU is fast at)."""
     out = tmp_path / "demo"
     cmd = [
         sys.executable, "-m", "terascale", "run", "--nproc", "2", str(ROOT / "examples" / "train_gpt.py"),
-        "--config", str(ROOT / "examples" / "configs" / config), "--out", str(out),
+        "--config", str(ROOT / "examples" / "configs" / config), "--out", str(out), "--dtype", dtype,
         "--steps", "16", "--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32",
         "--max-bytes", "300000", "--eval-every", "8", "--eval-batches", "2", "--sample-tokens", "40",
     ]
@@ -81,7 +112,16 @@ def test_demo_trains_on_two_ranks(tmp_path, config):
     assert "tok/s=" in proc.stderr and "TFLOP/s=" in proc.stderr
     assert "mem/rank=" in proc.stderr and "/" in proc.stderr.split("mem/rank=")[-1].split("MiB")[0]
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["world_size"] == 2 and metrics["dtype"] == "bfloat16" and metrics["steps"] == 16
+    # The first line names the dtype and why: measured under auto (bf16 where it is not the slower).
+    first = proc.stdout.splitlines()[0]
+    chosen = first.removeprefix("compute dtype: ").split(" ")[0]
+    assert chosen in ("bf16", "fp32") and metrics["dtype"] == {"bf16": "bfloat16", "fp32": "float32"}[chosen], first
+    if dtype == "auto":
+        rates = metrics["linear_gflops"]
+        assert chosen == ("bf16" if rates["bf16"] >= rates["fp32"] else "fp32") and "GFLOP/s" in first, first
+    else:
+        assert chosen == dtype and first.endswith(f"set by --dtype {dtype}"), first
+    assert metrics["world_size"] == 2 and metrics["steps"] == 16
     curve = metrics["loss_curve"]
     assert len(curve) == 16 and curve[-1] < curve[0] - 0.5, curve
     assert metrics["held_out_loss_end"] < metrics["held_out_loss_start"] - 0.5

@@ -7,10 +7,14 @@ import csv
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from distributed import run_ranks
+
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ, LAYERS, HIDDEN, VOCAB = 16, 2, 32, 64
@@ -21,8 +25,13 @@ def _rows(folder: Path, name: str) -> list[tuple[int, float]]:
         return [(int(r[0]), float(r[1])) for r in list(csv.reader(f))[1:]]
 
 
-def _train_gpt(out_dir: str, extra: dict) -> list[str]:
+def _train_gpt(out_dir: str, extra: dict, peak: float | None = None) -> list[str]:
+    """A few steps of a tiny GPT; ``peak``: the device peak the engine divides by, stubbed
+    (in this rank's process only) instead of measured."""
     sys.path.insert(0, str(ROOT / "examples"))
+    from contextlib import nullcontext
+    from unittest import mock
+
     import torch
     from gpt import GPT, GPTConfig
 
@@ -47,18 +56,21 @@ def _train_gpt(out_dir: str, extra: dict) -> list[str]:
         "csv_monitor": {"enabled": True, "output_path": out_dir, "job_name": "job"},
         **extra,
     }
-    engine, *_ = terascale.initialize(model=model, config=config)
-    g = torch.Generator().manual_seed(engine.rank)
-    for _ in range(4 * engine.gradient_accumulation_steps()):
-        ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
-        engine.backward(engine(ids, ids))
-        engine.step()
-        engine.eval()  # an evaluation forward counts no tokens and opens no step
-        with torch.no_grad():
-            engine(ids[:1], ids[:1])
-        engine.train()
-    engine.log_metrics({"Eval/loss": 1.5})
-    engine.destroy()
+    stub = nullcontext() if peak is None else mock.patch("terascale.engine.observe.peak_flops",
+                                                         return_value=(peak, "stubbed peak"))
+    with stub:
+        engine, *_ = terascale.initialize(model=model, config=config)
+        g = torch.Generator().manual_seed(engine.rank)
+        for _ in range(4 * engine.gradient_accumulation_steps()):
+            ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+            engine.backward(engine(ids, ids))
+            engine.step()
+            engine.eval()  # an evaluation forward counts no tokens and opens no step
+            with torch.no_grad():
+                engine(ids[:1], ids[:1])
+            engine.train()
+        engine.log_metrics({"Eval/loss": 1.5})
+        engine.destroy()
     return messages
 
 
@@ -82,6 +94,80 @@ def test_tokens_flops_and_mfu_follow_their_definitions(tmp_path: Path) -> None:
     assert _rows(job, "Eval/loss") == [(32, 1.5)]
     line = next(m for m in messages if m.startswith("step=4 "))
     assert " tokens/s, " in line and "TFLOP/s per rank (GPT formula)" in line and "MFU " in line and "grad_norm=" in line, line
+
+
+def test_a_peak_below_the_achieved_rate_gives_no_mfu_figure(tmp_path: Path) -> None:
+    # 1 MFLOP/s: far below what any CPU achieves, as a peak timed on a slow matmul path was.
+    (messages,) = run_ranks(_train_gpt, 1, str(tmp_path), {}, 1e6)
+    lines = [m for m in messages if m.startswith("step=")]
+    assert len(lines) == 2
+    for line in lines:
+        assert "MFU n/a (achieved above the peak of 1e-06 TFLOP/s, stubbed peak)" in line, line
+        assert "%" not in line.split("MFU")[1].split("|")[0], line
+    job = tmp_path / "job"
+    assert _rows(job, "Throughput/tflops") and not (job / "Throughput_mfu.csv").exists()
+
+
+def test_mfu_is_a_fraction_or_says_why_not() -> None:
+    from terascale.engine.observe import _mfu_text
+    from terascale.profiling.throughput import utilisation
+
+    assert utilisation(5e10, 1e11) == 0.5 and utilisation(1e11, 1e11) == 1.0
+    assert utilisation(3e10, 1e9) is None  # above the peak: the peak is not the device's
+    assert utilisation(3e10, 0.0) is None  # no peak known
+    assert _mfu_text(0.557, 1e11, "x") == "MFU 55.7%"
+    assert _mfu_text(None, 0.0, "unknown GPU 'X1'") == "MFU n/a (no peak known: unknown GPU 'X1')"
+    assert _mfu_text(None, 2e9, "measured F.linear in bfloat16, 1 threads").startswith(
+        "MFU n/a (achieved above the peak of 0.002 TFLOP/s")
+
+
+def _timed_linears(dtype: torch.dtype, delay: float) -> tuple[float, list[tuple]]:
+    """The CPU peak of ``dtype`` measured afresh, with F.linear recorded (and slowed by
+    ``delay`` seconds a call); (the peak, (input dtype, weight dtype, size) per call)."""
+    import time
+    from unittest import mock
+
+    import torch
+    import torch.nn.functional as F
+
+    from terascale.profiling import throughput
+
+    calls: list[tuple] = []
+    real = F.linear
+
+    def linear(x, w, *rest):
+        calls.append((x.dtype, w.dtype, x.shape[0]))
+        time.sleep(delay)
+        return real(x, w, *rest)
+
+    with mock.patch.object(F, "linear", linear), mock.patch.object(torch.Tensor, "__matmul__", None), \
+            mock.patch.object(torch, "mm", None), mock.patch.object(torch, "matmul", None):  # fmt: skip
+        peak = throughput._measured_cpu_peak.__wrapped__(dtype, torch.get_num_threads())
+    return peak, calls
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
+def test_cpu_peak_times_the_compute_dtypes_linear_and_grows_while_cheap(dtype_name: str) -> None:
+    import time
+
+    import torch
+
+    from terascale.profiling.throughput import peak_flops
+
+    dtype = getattr(torch, dtype_name)
+    peak, calls = _timed_linears(dtype, 0.0)
+    # nn.Linear's path (F.linear), in the compute dtype, square sizes growing from 256.
+    assert calls and all(x == w == dtype for x, w, _ in calls)
+    sizes = sorted({n for _, _, n in calls})
+    assert sizes[0] == 256 and sizes == [256 * 2**i for i in range(len(sizes))] and sizes[-1] <= 2048
+    assert peak > 1e9
+    # A slow path (20 ms a product, as bf16 is on a CPU without bf16 kernels) stops at 256:
+    # 8x that for 512 would be over the budget of one product.
+    started = time.perf_counter()
+    _, calls = _timed_linears(dtype, 0.02)
+    assert {n for _, _, n in calls} == {256} and time.perf_counter() - started < 0.5
+    rate, source = peak_flops(torch.device("cpu"), dtype)
+    assert rate > 0 and source == f"measured F.linear in {dtype_name}, {torch.get_num_threads()} threads"
 
 
 def test_gpt_flops_formula_matches_megatron() -> None:

@@ -105,6 +105,22 @@ def test_missing_metrics_are_named_not_fatal(tmp_path: Path):
     assert "<td>MFU (median, last half)</td><td>–</td>" in html
 
 
+def test_an_mfu_above_100_percent_shows_as_unknown(tmp_path: Path):
+    # Older runs on CPUs whose peak was timed on a slow bf16 matmul logged MFUs of 25 (2,500%).
+    run = _write_run(tmp_path, "old", steps=40)
+    mon = CsvMonitor(str(tmp_path), "old")
+    mon.write([("Throughput/mfu", 0.3 if i <= 20 else 25.87, 32 * i) for i in range(1, 41)])
+    mon.close()
+    mfu = load_run(run).metrics["Throughput/mfu"]
+    assert mfu.finite() == [0.3] * 20 and all(math.isnan(v) for v in mfu.y[20:])
+    html = build_report(run).read_text()
+    assert "<td>MFU (median, last half)</td><td>–</td>" in html
+    # The final values: the last known one, no median of the (unknown) last half, min and max.
+    assert "<td>Throughput/mfu</td><td>40</td><td>0.3</td><td>–</td><td>0.3</td><td>0.3</td>" in html
+    assert "25.87" not in html and "2587" not in html and "shown as unknown" in html
+    _assert_valid_png(run / "report" / "mfu.png")
+
+
 def test_compare_overlays_and_adds_ratios(tmp_path: Path):
     # Same job name in both (the config's default): the parent folder tells them apart.
     base = _write_run(tmp_path / "base", "DeepSpeedJobName")

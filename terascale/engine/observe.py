@@ -11,7 +11,8 @@ and :meth:`Observer.step_ends` after each optimizer step. The observer then
 * every ``steps_per_print`` steps logs one line and writes the same numbers to the
   monitors: loss, lr, grad norm, loss scale, skipped steps, samples/s, tokens/s, TFLOP/s
   per rank (measured by the flops profiler's count at ``profile_step``, and by the GPT
-  formula for GPT-like models), MFU, memory of every rank (device allocated and peak, host
+  formula for GPT-like models), MFU (in words instead of a number where no peak is known or
+  the peak is below what was achieved), memory of every rank (device allocated and peak, host
   RSS) and the wall-clock breakdown, including the time blocked in parameter gathers,
   gradient reduction and offload I/O;
 * runs the flops profiler over step ``flops_profiler.profile_step``, keeps the comms
@@ -43,7 +44,7 @@ from terascale.config import Config
 from terascale.engine.model_state import ModelState
 from terascale.engine.monitor import Reporter, StepTimers
 from terascale.engine.train_state import TrainState
-from terascale.profiling.throughput import gpt_flops_per_token, model_shape, peak_flops, tokens_in
+from terascale.profiling.throughput import gpt_flops_per_token, model_shape, peak_flops, tokens_in, utilisation
 
 if TYPE_CHECKING:
     from terascale.profiling.comms import CommsLogger
@@ -200,11 +201,12 @@ class Observer:
         if self._shape is not None and self._seq_len and tokens:
             per_token = gpt_flops_per_token(*self._shape, self._seq_len, recompute=self._recompute)
             formula = per_token * tokens / step_s / self._dist.world_size
-        mfu = None
+        mfu, mfu_text = None, ""
         achieved = measured or formula
         if achieved:
-            peak, _ = self._device_peak()
-            mfu = achieved / peak if peak else None
+            peak, source = self._device_peak()
+            mfu = utilisation(achieved, peak)
+            mfu_text = _mfu_text(mfu, peak, source)
         parts = [f"step={train.global_steps} skipped={train.skipped_steps} loss={loss:.5f}", f"lr={lr:.4g}"]
         if train.last_grad_norm is not None:
             parts.append(f"grad_norm={train.last_grad_norm:.4g}")
@@ -218,8 +220,8 @@ class Observer:
             speed += f"; GPT formula {formula / 1e12:.3g})" if formula else ")"
         elif formula:
             speed += f", {formula / 1e12:.3g} TFLOP/s per rank (GPT formula)"
-        if mfu is not None:
-            speed += f", MFU {mfu * 100:.1f}%"
+        if mfu_text:
+            speed += f", {mfu_text}"
         parts.append(speed)
         parts.append("| memory (max over ranks): " + _memory_text(memory))
         if self.timers.enabled:
@@ -292,6 +294,15 @@ class Observer:
     def _sync(self) -> None:
         if self._dist.device.type == "cuda":
             torch.cuda.synchronize(self._dist.device)
+
+
+def _mfu_text(mfu: float | None, peak: float, source: str) -> str:
+    """The line's MFU: a percentage only where it is one (see ``utilisation``), else why not."""
+    if mfu is not None:
+        return f"MFU {mfu * 100:.1f}%"
+    if peak <= 0:
+        return f"MFU n/a (no peak known: {source})"
+    return f"MFU n/a (achieved above the peak of {peak / 1e12:.3g} TFLOP/s, {source})"
 
 
 def _memory_text(memory: list[tuple[float, float, float]]) -> str:

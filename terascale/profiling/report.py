@@ -47,7 +47,8 @@ _MANY_RANKS = 8  # above this many ranks, memory is drawn as a min-max band and 
 
 @dataclass
 class Series:
-    """One metric: x (global samples, ascending, unique) and values (NaN where not finite)."""
+    """One metric: x (global samples, ascending, unique) and values (NaN where not finite,
+    and for MFU where above 1: see :func:`load_run`)."""
 
     name: str
     x: list[float]
@@ -128,13 +129,18 @@ def _read_csv(path: Path) -> Series | None:
 
 
 def load_run(path: str | Path, name: str | None = None) -> Run:
-    """Every metric of the run at ``path`` (see :func:`find_run_dir`)."""
+    """Every metric of the run at ``path`` (see :func:`find_run_dir`); MFU values above 1
+    read as NaN (unknown)."""
     run_dir = find_run_dir(path)
     run = Run(name or run_dir.name, run_dir)
     for f in sorted(run_dir.glob("*.csv")):
         s = _read_csv(f)
         if s is not None:
             run.metrics[s.name] = s
+    if (mfu := run.metrics.get(MFU)) is not None:
+        # No device runs above its peak: an MFU over 1 (older runs logged 26 on CPUs whose
+        # peak was timed on a slower matmul path than training's) is an unknown, not a figure.
+        mfu.y = [math.nan if v > 1.0 else v for v in mfu.y]
     if not run.metrics:
         raise ValueError(f"the CSV files in {run_dir} hold no data rows yet")
     return run
@@ -527,7 +533,9 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None, compare
             ("samples per second", "samples/s", [THROUGHPUT[0]]), ("tokens per second", "tokens/s", [THROUGHPUT[1]]),
             ("achieved TFLOP/s", "TFLOP/s", [THROUGHPUT[2]])], caption="Training throughput as the engine logs it."),
         d.lines("mfu", "Model FLOPs utilisation", [("MFU", "% of peak", [MFU])], scale=lambda v: 100.0 * v,
-                 caption="Model FLOPs per second as a percentage of the device's peak."),
+                 caption="Model FLOPs per second as a percentage of the device's peak. A value above "
+                 "100% is no utilisation (the peak was measured below what training achieved) and is "
+                 "shown as unknown: a gap in the line, – in the tables."),
         d.memory(),
         d.time(),
         d.comms(),
