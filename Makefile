@@ -24,14 +24,15 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(VPY) -m pytest -q
 
-# Train (checkpoints every 50 steps), resume from step 100 in a fresh job and compare its
+# Train (checkpoints every 25 steps), resume from step 125 in a fresh job and compare its
 # losses with the uninterrupted run, then consolidate the last checkpoint into one file.
+# (25 resumed steps show a bit-exact resume as well as 50 did, in an eighth less time.)
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/terascale run --nproc 2 examples/train_gpt.py \
-		--config examples/configs/gpt_demo.json --out runs/demo --save-every 50
+		--config examples/configs/gpt_demo.json --out runs/demo --save-every 25
 	OMP_NUM_THREADS=1 $(VENV)/bin/terascale run --nproc 2 examples/train_gpt.py \
 		--config examples/configs/gpt_demo.json --out runs/demo_resume \
-		--resume-from runs/demo/checkpoints/global_step100 --compare-with runs/demo/metrics.json
+		--resume-from runs/demo/checkpoints/global_step125 --compare-with runs/demo/metrics.json
 	$(VENV)/bin/terascale consolidate runs/demo/checkpoints runs/demo/model.safetensors --dtype bf16
 
 # The same training with optimizer state and parameters in swap files under runs/demo_nvme.
