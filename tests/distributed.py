@@ -67,7 +67,9 @@ def forked_context() -> mp.context.BaseContext:
 def run_forked(fn: Callable, *args: Any, timeout: float = 120.0) -> tuple[int | None, Any]:
     """Call ``fn(*args, results)`` in one process forked from the warm server, for what needs a
     process of its own but no group (a process that kills itself, a resource limit): (its exit
-    code, what it put in the ``results`` queue, or None). Its stderr is the test's."""
+    code, what it put in the ``results`` queue, or None). Its stderr is the test's. For small
+    results only: the child's queue is read after it exits, and a child whose put fills the
+    pipe would wait for a reader until the timeout."""
     ctx = forked_context()
     results = ctx.Queue()
     proc = ctx.Process(target=fn, args=(*args, results))
