@@ -1,7 +1,7 @@
 """The harness the other tests stand on: warm forked ranks, their limits, and isolation.
 
-``run_ranks`` forks every rank afresh from a server that imported torch, terascale and the
-libraries the ranks use ([Note: forked ranks] in distributed.py); a rank that fails, hangs or
+``run_ranks`` forks every rank afresh from a server that imported torch, torch._dynamo and
+terascale ([Note: forked ranks] in distributed.py); a rank that fails, hangs or
 dies is gone with its call, and the next call gets new ones. ``conftest.py`` fails a test
 that leaves a default process group (or the default dtype, grad mode, working directory)
 changed in the test process, and puts it back; pytest-timeout cuts what hangs past every
