@@ -3,8 +3,8 @@
 See [Note: forked ranks] in ``distributed.py``. Measured before this list existed: a
 rank of a small ZeRO test spent 2.5 of its 2.7 s importing, mostly ``torch._dynamo``
 (1.8 s: the first ``torch.optim.Optimizer`` imports it) and the parts of terascale the
-engine uses (0.7 s); a Hugging Face test's ranks import transformers on top (3 s), which is theirs to pay
-(see the rules below).
+engine uses (0.7 s); a Hugging Face test's ranks imported transformers on top (about 2 s
+for its modelling core and a model family), now imported here too (see the rules below).
 
 The server imports the modules by name (a name that does not import is passed over: an
 optional library the machine lacks), so every name here is an installed module's: the
@@ -16,14 +16,17 @@ Two rules for what may be here, each checked by ``test_harness.py``:
 - Importing it starts no thread. A process may fork safely only while it runs one thread of
   its own (a lock held by another thread at the fork stays held forever in the child). So
   pyarrow, which starts jemalloc's background thread and comes with ``datasets`` through
-  the Hugging Face Trainer, is left to the ranks that use it.
-- A rank holds no more than a plain terascale rank: what ``initialize`` imports anyway
-  (torch, ``torch._dynamo``, terascale). Tests measure ranks' resident memory (the planner's
-  predicted peak under a cap, the ZeRO formulas, offload budgets), and a resident set grown
-  by libraries the rank never used made the planner refuse a capped config that fits a real
-  rank. So transformers, accelerate, peft and Lightning (and the two terascale modules that
-  import them when imported: :data:`LEFT_TO_THE_RANKS`) are imported by the ranks that use
-  them, at about 3 s each.
+  the Hugging Face Trainer (and with the two terascale modules that import the Trainer or
+  Lightning when imported: :data:`LEFT_TO_THE_RANKS`), is left to the ranks that use it.
+- What it adds to a rank's resident set may not change a test's outcome. The tests that
+  read a rank's memory take its growth from a sample at the rank's start (the offload
+  budgets, the ZeRO formulas, the planner under a cap of "what it holds now + room"); the
+  one that holds a prediction to a rank's absolute peak, the planner's, starts fresh
+  interpreters (``run_ranks(fresh=True)``), as torchrun does. So the Hugging Face libraries
+  the suite's ranks build models with (transformers' modelling core, the model families the
+  tests use, accelerate, peft: about 2 s of every such rank's start, 0.2 GB shared with the
+  server) are imported here, while Lightning, which no rank of a memory test uses and which
+  brings the Trainer's pyarrow with it, is not.
 """
 
 from __future__ import annotations
@@ -33,7 +36,12 @@ from pathlib import Path
 import terascale
 
 # Beyond terascale's own modules, which are imported whole (see preload_names).
-THIRD_PARTY = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor")
+THIRD_PARTY = (
+    "torch", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor",
+    # The Hugging Face modelling the suite's ranks use (its Trainer brings pyarrow: see above).
+    "transformers", "transformers.modeling_utils", "accelerate", "peft",
+    *(f"transformers.models.{family}.modeling_{family}" for family in ("llama", "gpt2", "bert", "mistral", "mixtral", "qwen2")),
+)  # fmt: skip
 # terascale modules a rank imports itself (see above): the Hugging Face Trainer's brings
 # pyarrow's thread, Lightning's brings Lightning and transformers.
 LEFT_TO_THE_RANKS = ("terascale.integrations.transformers", "terascale.integrations.lightning")

@@ -27,14 +27,14 @@ def _installed(names: list[str]) -> list[str]:
     return [n for n in names if importlib.util.find_spec(n.split(".")[0]) is not None]
 
 
-# What a plain terascale rank does not import (see rank_imports.py's second rule).
-NOT_A_PLAIN_RANKS = ("transformers", "accelerate", "peft", "lightning", "datasets", "pyarrow")
+# What the server leaves to the ranks (see rank_imports.py's rules): pyarrow's thread.
+LEFT_OUT = ("lightning", "datasets", "pyarrow", "transformers.trainer")
 
 
 def _warm_start(names: list[str]) -> tuple[list[str], list[str]]:
-    """(the names this rank had to import itself or holds beyond a plain rank's, the threads
+    """(the names this rank had to import itself or holds that the server leaves out, the threads
     its parent, the server, runs)."""
-    missing = [n for n in names if n not in sys.modules] + [n for n in NOT_A_PLAIN_RANKS if n in sys.modules]
+    missing = [n for n in names if n not in sys.modules] + [n for n in LEFT_OUT if n in sys.modules]
     task = f"/proc/{os.getppid()}/task"
     threads = []
     for tid in os.listdir(task):
@@ -46,11 +46,10 @@ def _warm_start(names: list[str]) -> tuple[list[str], list[str]]:
 def test_ranks_start_with_the_servers_imports_no_more_and_the_server_runs_no_extra_thread():
     """A name the server could not import is passed over silently, and every rank would then
     import it itself: the cost the server exists to remove (a module of tests/ on the list did
-    exactly that: the server does not see the test process's sys.path). Nor may a rank start
-    with libraries a plain terascale rank does not import: tests measure its memory. And the
-    list may only hold modules whose import starts no thread, since forking a process that
-    runs more than one is unsafe: the server runs one OS thread, its own (pyarrow would add
-    jemalloc's)."""
+    exactly that: the server does not see the test process's sys.path). And the list may only
+    hold modules whose import starts no thread, since forking a process that runs more than
+    one is unsafe: the server runs one OS thread, its own (pyarrow, which the Trainer and
+    Lightning bring, would add jemalloc's, so a rank must not find them imported)."""
     if not os.path.isdir("/proc/self/task"):
         pytest.skip("counts threads through /proc")
     names = _installed(preload_names())
@@ -128,3 +127,33 @@ def test_a_hang_is_cut_by_the_per_test_timeout_naming_the_test(pytester):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--timeout", "3")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["FAILED test_hang.py::test_hangs - Failed: Timeout (>3.0s) from pytest-timeout."])
+
+
+def test_an_alone_test_runs_with_no_other_test_beside_it_on_xdist_workers(pytester):
+    """[Note: tests that run alone]: under ``-n 2`` the other files' tests overlap one another
+    (so the workers do run side by side), but none overlaps the ``alone`` test, which also
+    waits for the test already running on the other worker when it comes up."""
+    pytester.makeconftest(_conftest_source())
+    pytester.makeini("[pytest]\nmarkers =\n    alone: runs with no other test beside it\n")
+    log = pytester.path / "spans.log"
+    span = f"""
+        import time
+
+        def span(name, seconds):
+            started = time.monotonic()
+            time.sleep(seconds)
+            with open({str(log)!r}, "a") as f:
+                f.write(f"{{name}} {{started}} {{time.monotonic()}}\\n")
+        """
+    pytester.makepyfile(spans=span)
+    files = {f"test_{c}": "\n".join(f"def test_{c}{i}():\n    span('{c}{i}', 0.4)\n" for i in range(4)) for c in "bcd"}
+    files["test_a"] = "import pytest\n\n@pytest.mark.alone\ndef test_a():\n    span('alone', 1.0)\n"
+    pytester.makepyfile(**{name: "from spans import span\n\n" + body for name, body in files.items()})
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile")
+    result.assert_outcomes(passed=13)
+    spans = {name: (float(a), float(b)) for name, a, b in (line.split() for line in log.read_text().splitlines())}
+    alone = spans.pop("alone")
+    beside = [name for name, (a, b) in spans.items() if a < alone[1] and alone[0] < b]
+    assert beside == [], f"ran beside the alone test: {beside}"
+    overlapping = [(m, n) for m in spans for n in spans if m < n and spans[m][0] < spans[n][1] and spans[n][0] < spans[m][1]]
+    assert overlapping, "the two workers never ran tests side by side"

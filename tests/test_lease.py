@@ -53,6 +53,7 @@ def _holder(root: Path, job: str, **kwargs: object) -> mp.Process:
     return proc
 
 
+@pytest.mark.alone  # bounds a wall-clock time (see conftest.py)
 def test_free_directory_is_taken_and_a_live_holder_refuses_a_second_job(tmp_path: Path) -> None:
     first = _holder(tmp_path, "job-a")
     try:
@@ -69,6 +70,7 @@ def test_free_directory_is_taken_and_a_live_holder_refuses_a_second_job(tmp_path
         first.kill()
 
 
+@pytest.mark.alone  # bounds a wall-clock time (see conftest.py)
 def test_a_second_engine_in_the_same_process_replaces_the_first(tmp_path: Path) -> None:
     old = DirectoryLease(tmp_path, "job-a", 1, FAST)
     old.acquire()
@@ -92,6 +94,7 @@ def test_a_released_lease_is_taken_at_once_and_names_the_previous_holder(tmp_pat
     second.release()
 
 
+@pytest.mark.alone  # bounds a wall-clock time (see conftest.py)
 def test_a_silent_holder_is_replaced_and_its_next_save_is_refused(tmp_path: Path) -> None:
     old = DirectoryLease(tmp_path, "job-a", 1, FAST)
     old.acquire()
@@ -112,6 +115,7 @@ def test_a_silent_holder_is_replaced_and_its_next_save_is_refused(tmp_path: Path
         newer.kill()
 
 
+@pytest.mark.alone  # bounds a wall-clock time (see conftest.py)
 def test_a_holder_whose_clock_runs_ahead_is_replaced_once_its_heartbeat_stops(tmp_path: Path) -> None:
     """Hosts' clocks disagree: a dead holder's wall-clock heartbeat can look fresh (here: an
     hour ahead). The contender then judges by the heartbeat counter not moving."""
@@ -132,6 +136,7 @@ def _hold_and_die(root: str, ready: mp.Event) -> None:  # type: ignore[valid-typ
     time.sleep(600)
 
 
+@pytest.mark.alone  # bounds a wall-clock time (see conftest.py)
 def test_a_holder_process_that_died_on_this_host_is_replaced_at_once(tmp_path: Path) -> None:
     """A rank 0 killed with SIGKILL releases nothing; on its own host its pid shows it is gone,
     so a restarted job does not wait for the expiry (60 s here)."""
@@ -161,6 +166,7 @@ def _contend(root: str, barrier: mp.Barrier, results: mp.Queue) -> None:  # type
         results.put(("refused", os.getpid()))
 
 
+@pytest.mark.alone  # bounds a wall-clock time (see conftest.py)
 def test_many_contenders_for_a_free_directory_exactly_one_wins(tmp_path: Path) -> None:
     ctx = forked_context()
     n = 6

@@ -146,6 +146,7 @@ def _timed_linears(dtype: torch.dtype, delay: float) -> tuple[float, list[tuple]
     return peak, calls
 
 
+@pytest.mark.alone  # bounds a wall-clock time (see conftest.py)
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
 def test_cpu_peak_times_the_compute_dtypes_linear_and_grows_while_cheap(dtype_name: str) -> None:
     import time

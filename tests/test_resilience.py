@@ -308,6 +308,7 @@ def test_nan_gradient_rollback(tmp_path: Path) -> None:
     assert_same(result["state"], reference(tmp_path, "--rollback", "5:3")["state"], exact=False)
 
 
+@pytest.mark.alone  # bounds a wall-clock time (see conftest.py)
 def test_straggler_is_named_at_zero3(tmp_path: Path) -> None:
     """Rank 1 computes 0.2 s longer per micro-step. At ZeRO-3 rank 0 waits for it inside the
     parameter gathers, so wall times are equal; compute time (less the waits) tells them apart."""

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch.distributed as dist
 
 from distributed import free_port
@@ -160,6 +161,7 @@ def test_diagnosis_names_peers_behind_silent_and_missing() -> None:
     assert "(step 4, phase 'forward')" in reports[1]
 
 
+@pytest.mark.alone  # bounds a wall-clock time (see conftest.py)
 def test_no_report_while_progress_continues() -> None:
     store = dist.HashStore()
     reports: list[str] = []
