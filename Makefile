@@ -10,10 +10,12 @@ TORCH_PIN ?= torch==2.13.0
 
 .PHONY: setup test test-all demo demo-nvme bench gpu-check gpu-wheels clean
 
-# The libraries go in with uv, which installs the suite's in ~5 s where pip takes ~70 s (the
+# The libraries go in with uv, which installs the suite's in seconds where pip takes ~70 s (the
 # same versions: torch is already in place, so neither resolves it); pip where uv is not to be had.
+# Compiled to bytecode at install, as pip does: else the first process to import a module
+# compiles it, and a rank's memory at start then depends on which process came first.
 # $(1): the extras of terascale to install with it, editable.
-INSTALL = $(VPY) -m pip install -q uv && $(VENV)/bin/uv pip install -q --python $(VPY) -e ".[$(1)]" \
+INSTALL = $(VPY) -m pip install -q uv && $(VENV)/bin/uv pip install -q --compile-bytecode --python $(VPY) -e ".[$(1)]" \
 	|| $(VPY) -m pip install -q -e ".[$(1)]"
 DEMO_EXTRAS := examples
 TEST_EXTRAS := test,examples
