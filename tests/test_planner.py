@@ -356,10 +356,11 @@ def _measured_peak(config: dict, layers: int, width: int, steps: int, room: int 
     return result
 
 
-# The NVMe case runs three times (its peak depends on the disk's timing: see the test) and
-# takes ~27 s: it runs in the slow tail (make test-all), the other two in every suite.
+# The NVMe case runs three times (its peak depends on the disk's timing: see the test, and
+# it runs alone for that) and takes ~27 s: it runs in the slow tail (make test-all), the
+# other two in every suite.
 @pytest.mark.parametrize("world,room,nvme", [(1, None, False), (2, 400 * MIB, False),
-                                             pytest.param(1, None, True, marks=pytest.mark.slow)],
+                                             pytest.param(1, None, True, marks=(pytest.mark.slow, pytest.mark.alone))],
                          ids=["1-rank", "2-ranks-capped", "1-rank-nvme"])  # fmt: skip
 def test_predicted_peak_memory_is_within_ten_percent_of_the_measured(tmp_path, world, room, nvme):
     config = _auto(nvme=str(tmp_path) if nvme else None)

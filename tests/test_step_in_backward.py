@@ -163,6 +163,7 @@ def test_the_step_under_backward_is_bit_identical_to_the_step_after_it(tmp_path)
     assert not any((tmp_path / "terascale_swap").rglob("*.swp"))
 
 
+@pytest.mark.alone  # the disk's reads must keep pace with a 100 ms backward (see conftest.py)
 def test_a_backward_slower_than_the_disk_steps_every_run(tmp_path):
     # Every layer's backward takes 100 ms and four buffers read ahead: the reads finish
     # before each run's gradients are final, so all runs are stepped under backward,
