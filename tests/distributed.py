@@ -7,8 +7,9 @@ An exception on any rank fails the test with that rank's traceback;
 a hang fails after ``timeout`` seconds instead of blocking the suite.
 
 [Note: forked ranks]
-Ranks are forked from multiprocessing's fork server, which imports torch, torch._dynamo and
-every terascale module (``rank_imports.py`` names them and what it leaves out) once per test session,
+Ranks are forked from multiprocessing's fork server, which imports torch, torch._dynamo,
+every terascale module and the Hugging Face modelling the tests use (``rank_imports.py``
+names them and what it leaves out) once per pytest process (an xdist worker has its own),
 rather than spawned: a spawned rank imports torch afresh, about 2.5 s of the machine's two
 CPUs for every ``run_ranks`` call, which was a third of the suite, and a rank forked from a
 server that had imported only torch and terascale's top package still spent 2.5 of a small
