@@ -15,7 +15,7 @@ TORCH_PIN ?= torch==2.13.0
 # Compiled to bytecode at install, as pip does: else the first process to import a module
 # compiles it, and a rank's memory at start then depends on which process came first.
 # $(1): the extras of terascale to install with it, editable.
-INSTALL = $(VPY) -m pip install -q uv && $(VENV)/bin/uv pip install -q --compile-bytecode --python $(VPY) -e ".[$(1)]" \
+INSTALL = $(VENV)/bin/uv pip install -q --compile-bytecode --python $(VPY) -e ".[$(1)]" \
 	|| $(VPY) -m pip install -q -e ".[$(1)]"
 DEMO_EXTRAS := examples
 TEST_EXTRAS := test,examples
@@ -23,6 +23,7 @@ TEST_EXTRAS := test,examples
 $(BASE): pyproject.toml Makefile
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q "$(TORCH_PIN)"
+	$(VPY) -m pip install -q uv || echo "uv could not be installed: pip installs the libraries"
 	$(call INSTALL,$(DEMO_EXTRAS))
 	touch $(BASE)
 

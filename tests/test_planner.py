@@ -267,15 +267,21 @@ def test_auto_values_are_resolved_in_engine_config_alike_on_every_rank(tmp_path)
         assert got["why"][key].startswith("the planner: stage ")
 
 
-def _refused(config: dict) -> str:
-    import psutil
+def _capped_here(config: dict, room: int) -> dict:
+    """``config`` with ``planner.host_memory`` at what this node's ranks hold now plus ``room``
+    bytes each (in a rank): relative to its own resident set, since what a rank holds before
+    it trains (imports, bytecode compiled at import) differs between installs by tens of MB."""
+    held = psutil.Process().memory_info().rss
+    cap = int(os.environ["LOCAL_WORLD_SIZE"]) * (held + room)
+    return {**config, "planner": {**config.get("planner", {}), "host_memory": cap}}
 
+
+def _refused(config: dict) -> str:
     import terascale
 
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(8)))  # 8.4M parameters, 100 MB of Adam state
-    cap = psutil.Process().memory_info().rss + (60 << 20)
-    config = {**config, "planner": {"host_memory": cap}}
+    config = _capped_here(config, 60 << 20)
     try:
         terascale.initialize(model=model, config=config)
     except ValueError as err:
@@ -295,15 +301,12 @@ def test_an_explicit_setting_that_cannot_fit_is_refused_naming_the_category():
 
 
 def _initialized_under_a_cap(config: dict, seq: int, room: int) -> str:
-    import psutil
-
     import terascale
 
     torch.manual_seed(0)
     model = Stack(layers=4, width=256)  # 2.4M parameters: 38 MB of states in bf16 + AdamW
-    cap = psutil.Process().memory_info().rss + room
     try:
-        engine, *_ = terascale.initialize(model=model, config={**config, "planner": {"host_memory": cap}},
+        engine, *_ = terascale.initialize(model=model, config=_capped_here(config, room),
                                           training_data=_tokens(seq, 8))  # fmt: skip
     except ValueError as err:
         return str(err)
@@ -328,7 +331,7 @@ def test_an_explicit_config_whose_activations_cannot_fit_is_refused_before_train
 
 
 def _measured_peak(config: dict, layers: int, width: int, steps: int, room: int | None = None) -> dict:
-    """``room``: cap the node's memory at what its ranks hold now plus ``room`` bytes each."""
+    """``room``: cap the node's memory at what its ranks hold now plus ``room`` bytes each (_capped_here)."""
     import terascale
     from terascale.plan.apply import last_plan
 
@@ -336,12 +339,7 @@ def _measured_peak(config: dict, layers: int, width: int, steps: int, room: int 
     model = Stack(layers=layers, width=width, vocab=4096).bfloat16()  # built in bf16: the peak is training's
     data = _tokens(64, 64, vocab=4096)
     if room is not None:
-        # Relative to this rank's own resident set: what a rank holds before it trains
-        # (imports, bytecode compiled at import) differs between installs by tens of MB.
-        held = psutil.Process().memory_info().rss
-        cap = int(os.environ["LOCAL_WORLD_SIZE"]) * (held + room)
-        config = {**config, "planner": {**config["planner"], "host_memory": cap}}
-        print(f"rank holds {held / MIB:.0f} MiB; planner.host_memory {cap / MIB:.0f} MiB", flush=True)
+        config = _capped_here(config, room)
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts here
     engine, _, loader, _ = terascale.initialize(model=model, config=config, training_data=data)
     batches = iter(loader)
