@@ -2,6 +2,7 @@
 
     python bench/hf_trainer.py                          # 2 ranks x 1 thread, 3 interleaved repeats
     python bench/hf_trainer.py --systems ddp,terascale-3 --repeats 5
+    python bench/hf_trainer.py --systems ddp,terascale-2,native-2,terascale-3,native-3   # the two terascale paths
 
 Every system is ``transformers.Trainer`` fine-tuning the same Llama (random init, fp32,
 the Trainer's own AdamW and linear schedule, clipping at 1.0) on the same tokens:
@@ -9,6 +10,9 @@ the Trainer's own AdamW and linear schedule, clipping at 1.0) on the same tokens
 - ``ddp``: the plain Trainer (accelerate wraps the model in DDP);
 - ``terascale-N``: ``terascale.integrations.transformers.Trainer`` with a ZeRO-N config
   whose every batch, clipping and bucket value is ``"auto"``;
+- ``native-N``: the plain Trainer with ``TrainingArguments(deepspeed=...)`` and the same
+  config, with terascale standing in for DeepSpeed (``TERASCALE_AS_DEEPSPEED=1``): the
+  Trainer's own DeepSpeed integration driving terascale through accelerate;
 - ``deepspeed-N``: the plain Trainer with ``TrainingArguments(deepspeed=...)`` and the same
   config, run from the peers' environment (``--peers-python``, set up as
   ../shared/BENCHMARKING.md says, with ``transformers`` and ``accelerate`` added); left out
@@ -19,7 +23,9 @@ end to the next) and the Trainer's logged losses are kept. The driver interleave
 systems, rotating their order each repeat, and prints median ms/step, the ratio to DDP
 (overall and the median of per-repeat ratios) and the largest difference of the loss
 curves from DDP's, which must stay within fp32 rounding for terascale (the run fails
-otherwise). Raw numbers go to ``--json``.
+otherwise). Where both terascale paths ran at a stage, a second table compares them: the
+native path's step time over the terascale Trainer's (overall and per repeat). Raw numbers
+go to ``--json``.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from pathlib import Path
 from step_time import chosen_systems, run_interleaved  # the same torchrun jobs, interleaved and rotated
 
 ROOT = Path(__file__).resolve().parent.parent
-SYSTEMS = ("ddp", "terascale-0", "terascale-2", "terascale-3", "deepspeed-2", "deepspeed-3")
+SYSTEMS = ("ddp", "terascale-0", "terascale-2", "terascale-3", "native-0", "native-2", "native-3", "deepspeed-2",
+           "deepspeed-3")
 AUTO = {
     "train_micro_batch_size_per_gpu": "auto",
     "gradient_accumulation_steps": "auto",
@@ -82,11 +89,18 @@ def zero_config(stage: int) -> dict:
 
 
 def worker(args: argparse.Namespace) -> None:
+    system, stage = args.worker.rsplit("-", 1) if "-" in args.worker else (args.worker, "0")
+    if system == "native":
+        # What TERASCALE_AS_DEEPSPEED=1 does at start-up, done before transformers and
+        # accelerate are imported (they look for DeepSpeed then); set for any child too.
+        os.environ["TERASCALE_AS_DEEPSPEED"] = "1"
+        from terascale.integrations.deepspeed import standin
+
+        standin.install()
     import torch
     import transformers as hf
 
     torch.set_num_threads(args.threads)
-    system, stage = args.worker.rsplit("-", 1) if "-" in args.worker else (args.worker, "0")
     torch.manual_seed(0)
     config = hf.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=int(2.6875 * args.hidden),
@@ -125,7 +139,7 @@ def worker(args: argparse.Namespace) -> None:
 
         trainer = Trainer(model=model, args=hf.TrainingArguments(**common), train_dataset=Tokens(),
                           config=zero_config(int(stage)), callbacks=[Clock()])  # fmt: skip
-    elif system == "deepspeed":
+    elif system in ("deepspeed", "native"):
         trainer = hf.Trainer(model=model, args=hf.TrainingArguments(deepspeed=zero_config(int(stage)), **common),
                              train_dataset=Tokens(), callbacks=[Clock()])  # fmt: skip
     else:
@@ -176,12 +190,32 @@ def main(argv: list[str] | None = None) -> None:
         ratios = [a / b for a, b in zip(per_rep, base_rep)]
         losses = runs[system][0]["losses"]
         diff = max(abs(a - b) for res in runs[system] for a, b in zip(res["losses"], base_losses))
-        if system.startswith("terascale"):
+        if system.startswith(("terascale", "native")):
             worst = max(worst, diff)
         print(f"| {system} | {ms:.1f} | {min(per_rep):.1f}–{max(per_rep):.1f} | {ms / base_ms:.3f} | "
               f"{statistics.median(ratios):.3f} | {losses[0]:.5f} → {losses[-1]:.5f} | {diff:.1e} |")
+    _compare_paths(args, runs, systems)
     if worst > 1e-4:
         raise SystemExit(f"terascale's loss curve differs from {base}'s by {worst:.2e} (> 1e-4)")
+
+
+def _compare_paths(args: argparse.Namespace, runs: dict[str, list[dict]], systems: list[str]) -> None:
+    """The native path (``native-N``) against the terascale Trainer (``terascale-N``) at each
+    stage both ran: the ratio of their median step times, overall and per repeat (the runs
+    of one repeat ran next to each other, so a repeat's ratio is the least noisy)."""
+    stages = [s.split("-")[1] for s in systems if s.startswith("native-") and f"terascale-{s.split('-')[1]}" in runs]
+    if not stages:
+        return
+    print("\n| stage | terascale Trainer ms/step | native Trainer ms/step | native / terascale | per-repeat ratios | "
+          "median of per-repeat |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for stage in stages:
+        ours, native = runs[f"terascale-{stage}"], runs[f"native-{stage}"]
+        ms = [statistics.median(t for res in rs for t in res["times"][args.warmup:]) * 1e3 for rs in (ours, native)]
+        per = [statistics.median(b["times"][args.warmup:]) / statistics.median(a["times"][args.warmup:])
+               for a, b in zip(ours, native)]
+        print(f"| {stage} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[1] / ms[0]:.3f} | {', '.join(f'{x:.3f}' for x in per)} | "
+              f"{statistics.median(per):.3f} |")
 
 
 if __name__ == "__main__":

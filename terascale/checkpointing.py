@@ -119,6 +119,10 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return _current().checkpoint(function, *args, **kwargs)
 
 
+# DeepSpeed's name for its non-reentrant variant: terascale's checkpoint is non-reentrant.
+non_reentrant_checkpoint = checkpoint
+
+
 def checkpoint_sequential(functions: nn.Sequential | Sequence[Callable], segments: int, input: Any, **kwargs: Any) -> Any:
     """``functions`` applied in order, checkpointed in ``segments`` pieces."""
     return _current().checkpoint_sequential(functions, segments, input, **kwargs)

@@ -24,6 +24,7 @@ from terascale.engine import Engine, prepare_model
 from terascale.engine.data import build_dataloader
 from terascale.engine.monitor import check_monitor_packages
 from terascale.engine.optimizer import OptimizerArg, SchedulerArg, check_optimizer_arguments
+from terascale.engine.optimizer_handle import OptimizerHandle
 from terascale.engine.parallel import check_layout, model_parallel_unit
 from terascale.offload.policy import unpinned_keys
 from terascale.parallel.sequence.groups import with_sequence_parallel
@@ -52,7 +53,9 @@ def initialize(
     Joins (or creates) the process group, moves and casts the model, broadcasts rank 0's
     weights, and builds the optimizer and LR scheduler (from the config, or the ones
     passed in). Returns ``(engine, optimizer, dataloader, lr_scheduler)`` as DeepSpeed
-    does; ``dataloader`` is None without ``training_data``.
+    does; ``dataloader`` is None without ``training_data``; ``optimizer`` is an
+    :class:`~terascale.engine.optimizer_handle.OptimizerHandle` on ``engine.optimizer``,
+    whose ``step()`` updates the model as ``engine.step()`` does, without the scheduler.
 
     The config comes from ``config``, else ``config_params``, else ``args.config`` /
     ``args.deepspeed_config`` (see :func:`terascale.add_config_arguments`).
@@ -110,7 +113,10 @@ def initialize(
     # construction, the loader's position included.
     engine = engine_class(prepared, cfg, dist_ctx, optimizer=optimizer, lr_scheduler=lr_scheduler,
                           training_dataloader=loader)  # fmt: skip
-    return engine, engine.optimizer, loader, engine.lr_scheduler
+    # A handle whose step() updates the model, as DeepSpeed's optimizer wrappers do
+    # ([Note: the optimizer initialize returns]).
+    handle = None if engine.optimizer is None else OptimizerHandle(engine)
+    return engine, handle, loader, engine.lr_scheduler
 
 
 def _adopt_sequence_mpu(cfg: Config, mpu: Any) -> Config:

@@ -200,7 +200,8 @@ def _reshard_save_rank(save_dir: str) -> list[float]:
 def _reshard_load_rank(save_dir: str, opt: str, stage: int) -> dict:
     import terascale
 
-    engine, optimizer, *_ = terascale.initialize(model=_model(), config=_config(stage, opt=opt, world=1))
+    engine, *_ = terascale.initialize(model=_model(), config=_config(stage, opt=opt, world=1))
+    optimizer = engine.optimizer
     engine.load_checkpoint(save_dir, tag="s")
     state = [optimizer.logical_state(p) if isinstance(optimizer, CompactAdam) else dict(optimizer.state[p])
              for g in optimizer.param_groups for p in g["params"]]  # fmt: skip

@@ -131,7 +131,7 @@ def _client_optimizer_rank(bf16: bool):
         model=model, optimizer=optimizer, config=config,
         lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
     )
-    assert opt is optimizer
+    assert opt.optimizer is optimizer and engine.optimizer is optimizer  # opt: its handle
     # The optimizer now steps the fp32 masters (with bf16, not the bf16 model parameters).
     assert all(p.dtype == torch.float32 for g in opt.param_groups for p in g["params"])
     x, y = make_data(STEPS, MICRO)

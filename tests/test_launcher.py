@@ -646,7 +646,8 @@ def test_real_run_hostfile_over_fake_ssh(tmp_path):
     out_dir.mkdir()
     (work / "hosts").write_text("nodeA slots=2\nnodeB slots=1\n")
     (work / ".terascale_env").write_text("TS_TEST_MARKER=from env file\n")
-    proc = _start(["run", "--hostfile", "hosts", "--include", "nodeA:1@nodeB",
+    env.pop("TERASCALE_AS_DEEPSPEED", None)  # reaches the 'hosts' only by the export --as-deepspeed adds
+    proc = _start(["run", "--hostfile", "hosts", "--include", "nodeA:1@nodeB", "--as-deepspeed",
                    "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
                    str(SCRIPTS / "record_env.py"), str(out_dir), "it's a b"], cwd=work, env=env)
     rc, out = _finish(proc, time.monotonic() + TIMEOUT_S)
@@ -654,6 +655,7 @@ def test_real_run_hostfile_over_fake_ssh(tmp_path):
     recs = _records(out_dir)
     assert [r["rank"] for r in recs] == [0, 1] and all(r["world_size"] == 2 for r in recs)
     assert all(r["marker"] == "from env file" and r["argv"] == ["it's a b"] for r in recs)
+    assert all(r["as_deepspeed"] == "1" for r in recs)  # exported to every host
     assert all(r["local_rank_arg"] == f"--local_rank={r['local_rank']}" for r in recs)  # remote hosts too
     by_host = {r["fake_host"]: r for r in recs}
     assert by_host["nodeA"]["cuda_visible_devices"] == "1"  # a subset of nodeA's two slots
@@ -703,3 +705,255 @@ def test_run_remote_failure_terminates_the_others(tmp_path, capsys):
 def test_run_local_exit_codes():
     assert run_local(_py("raise SystemExit(5)")) == 5
     assert run_local(_py("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")) == 128 + 9
+
+
+# ---------------------------------------------------------------------------
+# DeepSpeed's launcher command line ([Note: DeepSpeed's launcher flags]); command construction
+# only, but for one real run and the shim's own test
+
+
+def _run_fields(argv: list[str]) -> dict:
+    from terascale.launcher.deepspeed_cli import launch_fields
+
+    return launch_fields(build_parser().parse_args(["run", *argv]))
+
+
+def test_deepspeeds_flags_become_launch_options(tmp_path, capsys):
+    assert _run_fields(["--elastic_training", "--min_elastic_nodes", "2", "--max_elastic_nodes", "4", "t.py"])[
+        "nnodes"] == "2:4"  # fmt: skip
+    assert _run_fields(["--elastic_training", "--num_nodes", "3", "t.py"])["nnodes"] == "1:3"  # DeepSpeed's defaults
+    hosts = tmp_path / "hosts"
+    hosts.write_text("a slots=1\nb slots=1\n")
+    assert _run_fields(["--elastic_training", "-H", str(hosts), "t.py"])["nnodes"] == "1:2"
+    # Without --elastic_training DeepSpeed ignores the range; so does terascale, and says so.
+    assert _run_fields(["--min_elastic_nodes", "2", "t.py"])["nnodes"] is None
+    assert "take effect with --elastic_training only" in capsys.readouterr().err
+    assert _run_fields(["-q", "--min_elastic_nodes", "2", "t.py"])["log_level"] == "error"
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match="give it once"):
+        _run_fields(["--elastic_training", "--num_nodes", "1:3", "--max_elastic_nodes", "3", "t.py"])
+    # DeepSpeed's "unset" spellings.
+    fields = _run_fields(["--num_gpus", "-1", "--num_nodes", "-1", "--node_rank", "-1", "--enable_each_rank_log",
+                          "None", "t.py"])  # fmt: skip
+    assert (fields["nproc"], fields["nnodes"], fields["node_rank"], fields["rank_log"]) == (None, None, None, None)
+    fields = _run_fields(["--enable_each_rank_log", "logs", "--save_pid", "--log_level", "DEBUG", "--no_python",
+                          "--ssh_port", "2222", "--venv_script", "/v/bin/activate", "--force_multi",
+                          "t.sh"])  # fmt: skip
+    folder, stamp = os.path.split(fields["rank_log"])
+    assert folder == os.path.abspath("logs") and len(stamp) == 14 and stamp.isdigit()  # <timestamp>_rank<N>.log
+    assert (fields["save_pid"], fields["log_level"], fields["ssh_port"]) == (os.getpid(), "debug", 2222)
+    assert fields["no_python"] and fields["force_multi"] and fields["venv_script"] == "/v/bin/activate"
+    LaunchOptions(script="t.sh", **fields)
+    ns = build_parser().parse_args(["run", "--as-deepspeed", "--no_ssh_check", "--num_gpus", "2", "train.py",
+                                    "--deepspeed", "ds.json"])  # fmt: skip
+    assert ns.as_deepspeed and ns.nproc == 2 and ns.script_args == ["--deepspeed", "ds.json"]
+
+
+def test_deepspeeds_launcher_names_and_refusals(capsys):
+    assert build_parser().parse_args(["run", "-H", "h", "--launcher", "OpenMPI", "t.py"]).launcher == "mpi"
+    assert build_parser().parse_args(["run", "-H", "h", "--launcher", "PDSH", "t.py"]).launcher == "pdsh"
+    for name, says in (("mpich", "PMI_RANK"), ("impi", "PMI_RANK"), ("MVAPICH", "MV2_COMM_WORLD_RANK"),
+                       ("jsrun", "jsrun is not built")):  # fmt: skip
+        assert main(["run", "--launcher", name, "t.py"]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"argument --launcher: {name}:" in err and says in err, err
+    assert main(["run", "--autotuning", "tune", "t.py"]) == 2
+    err = capsys.readouterr().err
+    assert "--autotuning tune: DeepSpeed's autotuner is not built" in err and "terascale plan" in err
+    assert main(["run", "--module", "--no_python", "pkg"]) == 2
+    assert "--module and --no_python" in capsys.readouterr().err
+
+
+def test_no_python_and_rank_logs_in_the_commands():
+    from terascale.launcher.backends import rank_program
+
+    ns = _torchrun_parse(torchrun_args(LaunchOptions(script="t.sh", script_args=("a",), no_python=True), 1))
+    assert ns.no_python and (ns.training_script, ns.training_script_args) == ("t.sh", ["a"])
+    opts = LaunchOptions(script="t.sh", no_python=True, local_rank_arg=True, rank_log="/logs/20260101000000")
+    ns = _torchrun_parse(torchrun_args(opts, 1))
+    assert not ns.no_python and ns.training_script == "terascale.launcher.worker"
+    assert ns.training_script_args == ["--local_rank_arg", "--no_python", "--rank_log=/logs/20260101000000", "t.sh"]
+    # A rank log alone runs the shim too; mpirun and srun run the executable itself.
+    assert rank_program(LaunchOptions(script="t.sh", rank_log="/l/x"), "/py")[3:] == [
+        "terascale.launcher.worker", "--rank_log=/l/x", "t.sh"]  # fmt: skip
+    assert rank_program(LaunchOptions(script="t.sh", script_args=("a",), no_python=True), "/py") == ["t.sh", "a"]
+
+
+def test_the_rank_shim_runs_an_executable_and_writes_its_rank_log(tmp_path):
+    script = tmp_path / "show.sh"
+    script.write_text('#!/bin/sh\necho "args: $*"\necho "to stderr" >&2\n')
+    script.chmod(0o755)
+    prefix = tmp_path / "logs" / "20260101000000"
+    env = {**_env(), "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    done = subprocess.run([sys.executable, "-m", "terascale.launcher.worker", "--local_rank_arg", "--no_python",
+                           f"--rank_log={prefix}", str(script), "x y"], env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0 and done.stdout == "", done.stderr
+    assert (tmp_path / "logs" / "20260101000000_rank3.log").read_text() == "args: --local_rank=1 x y\nto stderr\n"
+
+
+def test_deepspeeds_ssh_flags_in_the_ssh_pdsh_and_mpirun_commands():
+    pool = {"n0": 1, "n1": 1}
+    opts = LaunchOptions(script="t.py", ssh_port=2222, venv_script="/v/bin/activate", save_pid=123)
+    cmds = ssh_commands(opts, select_resources(pool), slots_per_host=pool, exports={}, cwd="/w", rdzv_id="r")
+    for cmd, host in zip(cmds, pool):
+        assert cmd[-4:-1] == ["-p", "2222", host]
+        # Sourced first, as DeepSpeed's pdsh runner does; $$ is the pid the agent keeps after exec.
+        assert cmd[-1].startswith(". /v/bin/activate && echo $$ > /tmp/123.deepspeed && cd /w && exec ")
+    argv, env = launcher_command("pdsh", opts, select_resources(pool), slots_per_host=pool, exports={}, cwd="/w",
+                                 rdzv_id="r")  # fmt: skip
+    assert env == {"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": "-p 2222"}
+    assert argv[-1].startswith(". /v/bin/activate && echo $$ > /tmp/123.deepspeed && cd /w")
+    mpi = LaunchOptions(script="t.py", ssh_port=2222)
+    argv, _ = launcher_command("mpi", mpi, select_resources(pool), slots_per_host=pool, exports={}, cwd="/w",
+                               rdzv_id="r")  # fmt: skip
+    assert argv[argv.index("plm_rsh_args") - 1 : argv.index("plm_rsh_args") + 2] == ["--mca", "plm_rsh_args", "-p 2222"]
+    for launcher, bad, message in (("slurm", mpi, "srun starts the tasks through SLURM"),
+                                   ("mpi", opts, "--venv_script is sourced by the remote shell")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            launcher_command(launcher, bad, select_resources(pool), slots_per_host=pool, exports={}, cwd="/w",
+                             rdzv_id="r")  # fmt: skip
+
+
+def test_remote_exports_carry_deepspeeds_prefixes_the_switch_and_ds_env_file(tmp_path):
+    from terascale.launcher.environment import env_file_names
+
+    environ = {"TERASCALE_AS_DEEPSPEED": "1", "PYTHONUNBUFFERED": "1", "MLFLOW_TRACKING_URI": "http://m",
+               "UCX_TLS": "tcp", "MV2_DEBUG": "1", "NCCL_DEBUG": "INFO", "HOME": "/h", "TERASCALE_OTHER": "x"}
+    assert remote_exports(environ, {}) == {k: v for k, v in environ.items() if k not in ("HOME", "TERASCALE_OTHER")}
+    # DeepSpeed's DS_ENV_FILE names its env file; an absolute one is read once.
+    (tmp_path / "my.env").write_text("A=1\n")
+    (tmp_path / ".terascale_env").write_text("B=2\n")
+    assert env_file_names({"DS_ENV_FILE": "my.env"}) == ("my.env", ".terascale_env")
+    assert load_env_files([tmp_path], env_file_names({"DS_ENV_FILE": "my.env"})) == {"A": "1", "B": "2"}
+    names = env_file_names({"DS_ENV_FILE": str(tmp_path / "my.env")})
+    assert load_env_files([tmp_path / "nowhere", tmp_path], names) == {"A": "1", "B": "2"}
+
+
+def test_no_ssh_starts_this_machine_as_its_node_of_the_hostfile():
+    from terascale.launcher.runner import node_options
+
+    pool = {"a": 2, "b": 2, "c": 2}
+    here = node_options(LaunchOptions(script="t.py", no_ssh=True, node_rank=1), select_resources(pool))
+    ns = _torchrun_parse(torchrun_args(here, 2))
+    assert (ns.nnodes, ns.rdzv_backend, ns.node_rank, ns.master_addr, ns.master_port) == ("3", "static", 1, "a", 29500)
+    # An elastic range: c10d gives the ranks; --node_rank only picked this host.
+    here = node_options(LaunchOptions(script="t.py", no_ssh=True, node_rank=2, nnodes="2:3", master_addr="m"),
+                        select_resources(pool, nnodes="2:3"))  # fmt: skip
+    ns = _torchrun_parse(torchrun_args(here, 2))
+    assert (ns.nnodes, ns.rdzv_backend, ns.rdzv_endpoint) == ("2:3", "c10d", "m:29500")
+    with pytest.raises(ValueError, match=r"--no_ssh starts this machine's ranks only.*--node_rank R in \[0, 3\)"):
+        node_options(LaunchOptions(script="t.py", no_ssh=True), select_resources(pool))
+
+
+@pytest.fixture
+def started(monkeypatch) -> list[dict]:
+    """What `terascale run` would start on this machine, instead of starting it (4 'devices')."""
+    from terascale.launcher import runner
+
+    calls: list[dict] = []
+    monkeypatch.setattr(runner, "default_nproc", lambda: 4)
+    monkeypatch.setattr(runner, "run_local", lambda argv, env, pid_file=None: calls.append(
+        {"argv": argv, "env": env, "pid_file": pid_file}) or 0)  # fmt: skip
+    return calls
+
+
+def test_one_machine_as_deepspeed_takes_it_include_localhost(started, capsys, tmp_path):
+    assert main(["run", "--as-deepspeed", "--include", "localhost:1,3", "--save_pid", "t.py", "--x"]) == 0
+    (call,) = started
+    ns = _torchrun_parse(call["argv"])
+    assert ns.nproc_per_node == "2" and ns.training_script_args == ["--local_rank_arg", "t.py", "--x"]
+    assert call["env"]["CUDA_VISIBLE_DEVICES"] == "1,3" and call["env"]["TERASCALE_AS_DEEPSPEED"] == "1"
+    assert call["pid_file"] == f"/tmp/{os.getpid()}.deepspeed"
+    for argv, message in ((["--num_gpus", "1", "-i", "localhost"], "--nproc cannot be combined with --include"),
+                          (["--include", "worker-1"], "the one host is localhost with this machine's 4"),
+                          (["--force_multi"], "--force_multi starts the hosts of a --hostfile")):  # fmt: skip
+        assert main(["run", *argv, "t.py"]) == 2
+        assert message in capsys.readouterr().err
+    # --no_ssh with a hostfile: this machine's slots as host R, the rest started the same way by hand.
+    hosts = tmp_path / "hosts"
+    hosts.write_text("a slots=4\nb slots=4\n")
+    assert main(["run", "-H", str(hosts), "--no_ssh", "--node_rank", "1", "--include", "a@b:2,3", "t.py"]) == 0
+    ns = _torchrun_parse(started[-1]["argv"])
+    assert (ns.nnodes, ns.node_rank, ns.nproc_per_node, ns.master_addr) == ("2", 1, "2", "a")
+    assert started[-1]["env"]["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert main(["run", "-H", str(hosts), "--no_ssh", "--launcher", "mpi", "--node_rank", "0", "t.py"]) == 2
+    assert "--no_ssh starts this machine's ranks only" in capsys.readouterr().err
+
+
+def test_deepspeed_launcher_runner_names(tmp_path):
+    """`deepspeed.launcher.runner` is this module: DeepSpeed's names of it, with DeepSpeed's behaviour."""
+    import collections
+
+    from terascale.launcher import runner as dsrun
+
+    assert (dsrun.DEEPSPEED_ENVIRONMENT_NAME, dsrun.PDSH_MAX_FAN_OUT) == (".deepspeed_env", 1024)
+    assert dsrun.DEEPSPEED_ENVIRONMENT_PATHS == [os.path.expanduser("~"), "."]
+    assert {"NCCL", "PYTHON", "MLFLOW", "UCX", "MV2"} <= set(dsrun.EXPORT_ENVS)
+    assert dsrun.fetch_hostfile(str(tmp_path / "missing")) is None
+    (tmp_path / "hosts").write_text("w0 slots=4\nw1 slots=2\n")
+    assert dsrun.fetch_hostfile(str(tmp_path / "hosts")) == collections.OrderedDict([("w0", 4), ("w1", 2)])
+    assert dsrun._parse_hostfile(["", "w0 slots=2", "# c"]) == {"w0": 2}
+    hosts = {"w0": [0, 1, 2, 3], "w1": [0, 1, 2, 3]}
+    assert dsrun.parse_resource_filter(hosts) is hosts
+    assert dsrun.parse_resource_filter(hosts, include_str="w1:3,0@w1:0") == {"w1": [0, 3]}  # sorted, once each
+    assert dsrun.parse_resource_filter(hosts, exclude_str="w0:0,1@w1:3") == {"w0": [2, 3], "w1": [0, 1, 2]}
+    assert dsrun.parse_resource_filter({"w0": [0, 1]}, exclude_str="w0") == {}  # nothing left is no error here
+    for include, exclude in (("A", "B"), ("jeff", ""), ("", "w1:4"), ("", "w1@w0:1@5")):
+        with pytest.raises(ValueError):
+            dsrun.parse_resource_filter(hosts, include_str=include, exclude_str=exclude)
+    assert dsrun.parse_inclusion_exclusion({"w0": 2, "w1": 2}, "w1:1", "") == {"w1": [1]}
+    ns = dsrun.parse_args(["--num_gpus", "2", "t.py", "--x"])
+    assert (ns.user_script, ns.user_args, ns.nproc, ns.as_deepspeed) == ("t.py", ["--x"], 2, True)
+    with pytest.raises(ValueError, match="--nproc cannot be combined with --include"):
+        dsrun.main(["--num_gpus", "1", "-i", "localhost", "foo.py"])
+
+
+def test_python_m_deepspeed_launcher_runner_is_deepspeeds_command_line():
+    env = _env(TERASCALE_AS_DEEPSPEED="1")
+    done = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--autotuning", "run", "t.py"], env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and "--autotuning run: DeepSpeed's autotuner is not built" in done.stderr, done.stderr
+
+
+_STAND_IN_RANK = """
+import glob, json, os, sys
+import deepspeed
+from deepspeed.launcher.runner import DEEPSPEED_ENVIRONMENT_NAME
+rank = int(os.environ["RANK"])
+# --save_pid: the file naming terascale run holds this node's torchrun agent, the rank's parent.
+pid_files = [f for f in glob.glob("/tmp/*.deepspeed") if open(f).read() == str(os.getppid())]
+record = {"rank": rank, "terascale": getattr(deepspeed, "__terascale__", False), "version": deepspeed.__version__,
+          "env_file": DEEPSPEED_ENVIRONMENT_NAME, "argv": sys.argv[1:], "pid_files": pid_files}
+out = sys.argv[-1]
+with open(os.path.join(out, f".rank{rank}.tmp"), "w") as f:
+    json.dump(record, f)
+os.rename(os.path.join(out, f".rank{rank}.tmp"), os.path.join(out, f"rank{rank}.json"))
+print(f"rank {rank} runs on {deepspeed.__version__}", flush=True)
+"""
+
+
+def test_real_run_as_deepspeed_each_rank_imports_terascale_as_deepspeed(tmp_path):
+    """`deepspeed --num_gpus 2 train.py` as `terascale run --as-deepspeed --num_gpus 2 train.py`, with
+    DeepSpeed's per-rank logs and pid file."""
+    from terascale.integrations.deepspeed.standin import VERSION
+
+    script, out, logs = tmp_path / "train.py", tmp_path / "out", tmp_path / "logs"
+    script.write_text(_STAND_IN_RANK)
+    out.mkdir()
+    env = {k: v for k, v in _env().items() if k != "TERASCALE_AS_DEEPSPEED"}
+    proc = _start(["run", "--as-deepspeed", "--num_gpus", "2", "--enable_each_rank_log", str(logs), "--save_pid",
+                   str(script), "--deepspeed", str(out)], env=env)  # fmt: skip
+    rc, text = _finish(proc, time.monotonic() + TIMEOUT_S)
+    assert rc == 0, text
+    recs = _records(out)
+    assert [r["rank"] for r in recs] == [0, 1]
+    for r in recs:
+        assert r["terascale"] is True and r["version"] == VERSION and r["env_file"] == ".deepspeed_env"
+        assert r["argv"] == [f"--local_rank={r['rank']}", "--deepspeed", str(out)]
+        assert r["pid_files"] == [f"/tmp/{proc.pid}.deepspeed"]
+    assert not os.path.exists(f"/tmp/{proc.pid}.deepspeed")  # removed when the job ended
+    for rank in (0, 1):  # each rank's output in its own file, not on the launcher's
+        (log,) = logs.glob(f"*_rank{rank}.log")
+        assert f"rank {rank} runs on {VERSION}" in log.read_text()
+        assert f"rank {rank} runs on" not in text

@@ -256,8 +256,9 @@ files using the name; coverage weighs each name by it.
 
 **Coverage** ({names} names, {weight} weighted uses): provided **{provided:.1%}**, refused
 {refused:.1%} ({feature:.1%} for DeepSpeed features terascale does not build yet:
-inference, fused kernels, sparse attention, compression, data efficiency, expert tensor parallelism, Ulysses,
-DeepCompile; the rest where terascale works another way on purpose), missing {missing:.1%}.
+inference kernels and their module injection, compression training, random-LTD and data analysis, expert
+tensor parallelism, FPDT, DeepCompile, Domino; the rest where terascale works another way on purpose),
+missing {missing:.1%}.
 Of the uses of features terascale builds, **{built:.1%}** are provided.
 
 | # | DeepSpeed name | files | status | terascale |

@@ -20,3 +20,13 @@ __all__ = [
     "write_consolidated",
     "write_pretrained",
 ]
+
+
+def __getattr__(name: str):  # noqa: ANN202
+    # DeepSpeed's deepspeed.checkpoint names (checkpoint key constants), from the stand-in's map
+    # ([Note: DeepSpeed's module paths] in terascale/integrations/deepspeed/names.py).
+    if name.startswith("__"):
+        raise AttributeError(f"module 'terascale.checkpoint' has no attribute {name!r}")
+    from terascale.integrations.deepspeed.names import attribute
+
+    return attribute("checkpoint", name)

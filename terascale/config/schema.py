@@ -10,6 +10,7 @@ setting that asks for a feature this version does not provide.
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from collections.abc import Mapping
@@ -514,6 +515,25 @@ class Config(Section):
     def to_dict(self) -> dict[str, Any]:
         """The config as a JSON-ready dict with DeepSpeed's key names (aliases)."""
         return self.model_dump(mode="json", by_alias=True)
+
+    # [Note: the config read as DeepSpeed's dict]
+    # DeepSpeed's ``engine.config`` is the dict the engine was given, and the tools read it
+    # as one (the Trainer's ``engine.config.get("zero_optimization", {}).get("stage")``).
+    # ``get``, ``[key]`` and ``in`` read this config the same way: the keys as written (in
+    # DeepSpeed's spelling, legacy ones rewritten), each "auto" as resolved, a default
+    # where nothing was written; each answer is a copy, so the typed config stays as loaded.
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The top-level ``key`` as the config dict holds it, else ``default``."""
+        return copy.deepcopy(self._raw.get(key, default))
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._raw:
+            raise KeyError(key)
+        return copy.deepcopy(self._raw[key])
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._raw
 
     # ---- derived values ------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -84,6 +85,7 @@ class Checkpointer:
         self.last_stall_s = 0.0
         self.layout = CheckpointLayout(module, model_state, layout.dist, layout)
         self._leases: LeaseSet | None = None  # rank 0's ([Note: checkpoint directory lease])
+        self._warned_dirs: set[tuple[str, ...]] = set()  # ranks' differing directories, said once each
 
     def _writer(self) -> tuple[AsyncIO, BufferPool]:
         # Kept from save to save: a fresh pool's first touch of its pages costs as much as
@@ -196,7 +198,7 @@ class Checkpointer:
             logger.warning("saving checkpoint '%s' inside an accumulation window: its gradients are not saved", tag)
         rank, world = dist.get_rank(), dist.get_world_size()
         group = self.coordination_group()
-        directory = CheckpointDirectory(save_dir)
+        directory = CheckpointDirectory(self._rank0_dir(save_dir, "save_checkpoint"))
         state, optimizer, module = self._state, self._optimizer, self._module
         layout = self.layout
         described = [s for chunk in state.state_slices(optimizer, SliceMode.DESCRIBE) for s in layout.saved(chunk)]
@@ -399,6 +401,37 @@ class Checkpointer:
             result = self._commit_or_abort(mirror, tag, result, (source / MANIFEST).read_text, job.save_latest)
         _raise_if_any(result, group, f"copying checkpoint '{tag}' to '{mirror.root}' failed; its local copy is intact")
 
+    def _rank0_dir(self, path: str | Path, call: str) -> str | Path:
+        """(Collective) the directory every rank of this save or load uses: ``path``, or
+        rank 0's where the ranks passed different ones.
+
+        [Note: ranks that pass different directories]
+        A checkpoint is one folder that rank 0 prepares and commits, with one file per rank
+        (``[Note: atomic checkpoints]``). Some scripts name that folder on each rank (DeepSpeed's
+        HelloDeepSpeed example: a timestamp and a random id per rank, and only rank 0 creates
+        it), and DeepSpeed writes each rank's files where that rank said. Here a rank that
+        passes a directory other than rank 0's writes into rank 0's instead, so the
+        checkpoint is whole there, and rank 0 warns once, naming the other ranks' directories;
+        a load does the same, so such a script resumes whether it passes rank 0's directory on
+        every rank or each rank its own again. Paths are compared absolute (a relative one
+        from each rank's working directory), and a rank uses rank 0's absolute path, which
+        must be reachable from it (a shared filesystem mounted at the same place)."""
+        world = dist.get_world_size()
+        if world == 1:
+            return path
+        paths: list[Any] = [None] * world
+        comm_ops.all_gather_object(paths, os.path.abspath(path), group=self.coordination_group())
+        if len(set(paths)) == 1:
+            return path
+        others = tuple(f"rank {r}: '{p}'" for r, p in enumerate(paths) if p != paths[0])
+        if dist.get_rank() == 0 and (call, paths[0], *others) not in self._warned_dirs:
+            self._warned_dirs.add((call, paths[0], *others))
+            logger.warning(
+                "%s: the ranks passed different directories; every rank uses rank 0's '%s' (passed by the "
+                "others: %s), so the checkpoint is one whole folder there", call, paths[0], ", ".join(others),
+            )
+        return paths[0]
+
     def _validate_tag(self, tag: str, group: dist.ProcessGroup) -> None:
         mode = self._config.checkpoint.tag_validation
         if mode == "IGNORE" or dist.get_world_size() == 1:
@@ -465,7 +498,7 @@ class Checkpointer:
         can always try to resume).
         """
         self.wait()
-        folder = CheckpointDirectory.find(load_dir, tag)
+        folder = CheckpointDirectory.find(self._rank0_dir(load_dir, "load_checkpoint"), tag)
         if folder is None:
             logger.warning("no checkpoint to load: '%s' has no 'latest' file", load_dir)
             return None, None

@@ -31,7 +31,14 @@ from terascale.engine.memory import memory_breakdown
 from terascale.engine.model_state import ModelState
 from terascale.engine.monitor import Reporter, StepTimers
 from terascale.engine.observe import Observer
-from terascale.engine.optimizer import OptimizerArg, SchedulerArg, engine_optimizer, engine_scheduler, step_in_backward
+from terascale.engine.optimizer import (
+    FORWARD_ONLY,
+    OptimizerArg,
+    SchedulerArg,
+    engine_optimizer,
+    engine_scheduler,
+    step_in_backward,
+)
 from terascale.engine.parallel import join_model_parallel
 from terascale.engine.prepare import PreparedModel
 from terascale.engine.resilience import Resilience
@@ -74,7 +81,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self.activations = prepared.activations
         self._layout = prepared.layout
         self._state = prepared.state
-        self.optimizer = engine_optimizer(optimizer, config, self._state, self._layout)
+        self.optimizer = engine_optimizer(optimizer, config, self._state, self._layout)  # None: forward only
         self.lr_scheduler = engine_scheduler(lr_scheduler, config, self.optimizer)
         self.loss_scaler = build_loss_scaler(config.fp16)
 
@@ -237,6 +244,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
     def _backward_bracket(self, sync: bool) -> Iterator[None]:
         """Around one backward: the model state's bracket (``sync`` on the window's last
         backward, when the gradients are reduced over the data-parallel ranks)."""
+        if self.optimizer is None:
+            raise ValueError(f"backward: {FORWARD_ONLY}")
         self._train.backward_ran()
         with self._phase("backward"):
             self._state.prepare_backward(sync=sync)
@@ -246,11 +255,21 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
 
     def step(self) -> None:
         """Count a micro-step; at an accumulation boundary, update the parameters."""
+        self._step(scheduler=True)
+
+    def step_without_scheduler(self) -> None:
+        """:meth:`step`, leaving the LR scheduler to the program: the ``step()`` of the
+        optimizer ``initialize`` returns ([Note: the optimizer initialize returns])."""
+        self._step(scheduler=False)
+
+    def _step(self, *, scheduler: bool) -> None:
+        if self.optimizer is None:
+            raise ValueError(f"engine.step(): {FORWARD_ONLY}")
         if not self.is_gradient_accumulation_boundary():
             self._train.count_micro_step()
             return
         with self._phase("step", timed=False):
-            outcome = self._update()
+            outcome = self._update(scheduler)
         if outcome is None:  # rolled back: the checkpoint's counters stand
             return
         applied, norm = outcome
@@ -305,7 +324,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
             self._layout.sum_tied_grads(self._state)
             self._train.finalize()
 
-    def _update(self) -> tuple[bool, float | None] | None:
+    def _update(self, scheduler: bool = True) -> tuple[bool, float | None] | None:
         """Update from this window's gradients, or skip it (fp16 overflow, a non-finite
         gradient under ``health.non_finite.policy`` skip): ``(applied, gradient norm)``.
         None when it rolled back to a checkpoint instead (policy rollback)."""
@@ -341,7 +360,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
             if clip > 0:
                 multiplier = multiplier * clip_coefficient(clip, norm)
             self._state.step(self.optimizer, multiplier, self._layout.sum_norms)
-            if self.lr_scheduler is not None:
+            if scheduler and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self._state.zero_grad()
         return applied, None if norm is None else float(norm)
@@ -375,13 +394,19 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         tag: str | None = None,
         client_state: dict | None = None,
         save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
     ) -> str:
         """Save everything needed to resume into ``save_dir/<tag>`` (default tag
         ``global_step<N>``) and point ``save_dir/latest`` at it; returns the tag. Collective
         and atomic; loads on any layout; with ``checkpoint.async`` written in the
         background (see :meth:`Checkpointer.save`, :meth:`wait_for_checkpoint`).
         ``client_state``: a dict of data (numbers, strings, containers, tensors, numpy
-        arrays, ...: ``[Note: client state as data]``), returned by :meth:`load_checkpoint`."""
+        arrays, ...: ``[Note: client state as data]``), returned by :meth:`load_checkpoint`.
+        ``exclude_frozen_parameters`` is DeepSpeed's (the Hugging Face Trainer passes True for
+        PEFT models): the frozen parameters are written all the same, so the checkpoint loads
+        strictly on any layout (leaving them out, as DeepSpeed does, is not built yet)."""
+        if self.optimizer is None:
+            raise ValueError(f"save_checkpoint: {FORWARD_ONLY}; its weights: save_16bit_model() or full_state_dict()")
         self._resilience.mark("save")
         return self._checkpointer.save(save_dir, tag, client_state, save_latest)
 
@@ -393,13 +418,19 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
         *,
+        load_module_strict: bool = True,
         allow_pickled_client_state: bool | None = None,
     ) -> tuple[str | None, Any]:
         """Restore a checkpoint written by :meth:`save_checkpoint` on any layout; returns
         ``(path, client_state)``, ``(None, None)`` when there is none (collective; see
         :meth:`Checkpointer.load`). ``allow_pickled_client_state`` (default
         ``checkpoint.allow_pickled_client_state``): load an older checkpoint's pickled client
-        state, which can run arbitrary code: only for a checkpoint you trust."""
+        state, which can run arbitrary code: only for a checkpoint you trust.
+        ``load_module_strict`` is DeepSpeed's (the Hugging Face Trainer passes False for PEFT
+        models): a terascale checkpoint holds every parameter and buffer of its model, frozen
+        ones too, so it loads whole either way, and one of another model is refused either way."""
+        if self.optimizer is None and not load_module_only:
+            raise ValueError(f"load_checkpoint: {FORWARD_ONLY}; it loads weights only: pass load_module_only=True")
         self._resilience.mark("load")
         return self._checkpointer.load(load_dir, tag, load_optimizer_states=load_optimizer_states,
                                        load_lr_scheduler_states=load_lr_scheduler_states,

@@ -42,7 +42,7 @@ def memory_breakdown(
     out.update(activations.memory())
     out["optimizer_state"] = sum(
         t.numel() * t.element_size()
-        for s in optimizer.state.values()
+        for s in (optimizer.state.values() if optimizer is not None else ())  # None: forward only
         for t in s.values()
         if isinstance(t, torch.Tensor) and t.dim() > 0
     )

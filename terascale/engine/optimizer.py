@@ -24,8 +24,30 @@ OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | 
 SchedulerArg = Any  # an LR scheduler instance or a callable(optimizer) -> scheduler
 
 
+FORWARD_ONLY = (
+    "this engine has no optimizer (its config has no 'optimizer' section and terascale.initialize got no "
+    "optimizer=), so it runs forward only, for evaluation or as a reference model; to train, add an 'optimizer' "
+    'section (e.g. {"type": "AdamW", "params": {"lr": 1e-3}}) or pass optimizer='
+)
+
+
+def forward_only(config: Config, optimizer: OptimizerArg) -> bool:
+    """Whether the engine is built without an optimizer: DeepSpeed's evaluation-only engine
+    (``deepspeed.initialize(model=..., config=...)``, as TRL prepares its reference models).
+    It keeps no fp32 masters, gradients or optimizer state; ZeRO-3 still shards its
+    parameters and gathers them for forward; backward and step raise ``FORWARD_ONLY``."""
+    return optimizer is None and config.optimizer is None
+
+
 def check_optimizer_arguments(config: Config, optimizer: OptimizerArg, lr_scheduler: SchedulerArg) -> None:
-    """Refuse an optimizer (scheduler) passed to ``initialize`` beside the config's own."""
+    """Refuse an optimizer (scheduler) passed to ``initialize`` beside the config's own, and
+    a scheduler without an optimizer."""
+    if forward_only(config, optimizer) and (lr_scheduler is not None or config.scheduler is not None):
+        raise ValueError(
+            "an LR scheduler (the config's 'scheduler' section or lr_scheduler=) needs an optimizer: add an "
+            "'optimizer' section or pass optimizer= to terascale.initialize, or drop the scheduler for a "
+            "forward-only engine"
+        )
     if optimizer is not None and config.optimizer is not None:
         raise ValueError(
             "an optimizer was passed to terascale.initialize and the config has an 'optimizer' "
@@ -40,9 +62,12 @@ def check_optimizer_arguments(config: Config, optimizer: OptimizerArg, lr_schedu
 
 def engine_optimizer(
     optimizer: OptimizerArg, config: Config, state: ModelState, layout: ParallelLayout
-) -> torch.optim.Optimizer:
+) -> torch.optim.Optimizer | None:
     """The optimizer over ``state``'s parameter groups (fp32 masters or their shards),
-    checked against what the state and the parallel layout can step."""
+    checked against what the state and the parallel layout can step; None for a
+    forward-only engine (:func:`forward_only`)."""
+    if forward_only(config, optimizer):
+        return None
     section = config.optimizer
     groups = state.optimizer_param_groups()
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -50,17 +75,15 @@ def engine_optimizer(
         built = optimizer
     elif callable(optimizer):
         built = optimizer(groups)
-    elif section is None:
-        raise ValueError(
-            "no optimizer: add an 'optimizer' section to the config (e.g. "
-            '{"type": "AdamW", "params": {"lr": 1e-3}}) or pass optimizer= to terascale.initialize'
-        )
     else:
         built = build_optimizer(section.type, dict(section.params), groups, group=layout.dist.zero_group)
     if isinstance(built, ReducesOwnGradients):
         own_gradient_reduction(built, config, state, layout)
     state.check_optimizer(built)
     layout.check_optimizer(built)
+    offload = getattr(state, "parameter_offload", None)
+    if offload is not None:  # stage 3: where TRL looks ([Note: the parameter coordinator TRL reads])
+        built.parameter_offload = offload
     return built
 
 
@@ -93,9 +116,11 @@ def own_gradient_reduction(
     state.gate_reduction(optimizer.reduces_gradients)
 
 
-def engine_scheduler(lr_scheduler: SchedulerArg, config: Config, optimizer: torch.optim.Optimizer) -> Any:
+def engine_scheduler(lr_scheduler: SchedulerArg, config: Config, optimizer: torch.optim.Optimizer | None) -> Any:
     """The LR scheduler of ``optimizer``: the config's, the one passed, or None."""
     section = config.scheduler
+    if optimizer is None:  # forward only: check_optimizer_arguments refused a scheduler
+        return None
     if section is not None:
         return build_scheduler(section.type, dict(section.params), optimizer)
     if lr_scheduler is not None and not hasattr(lr_scheduler, "step") and callable(lr_scheduler):
@@ -120,7 +145,7 @@ def step_in_backward(
     Returns whether it is on."""
     zero = config.zero_optimization
     wanted = "auto" if zero.offload_optimizer is None else zero.offload_optimizer.step_in_backward
-    if wanted is False:
+    if wanted is False or optimizer is None:
         return False
     device = "none" if zero.offload_optimizer is None else zero.offload_optimizer.device
     reasons = []

@@ -183,6 +183,11 @@ def check_layout(model: nn.Module, config: Config, dist_ctx: DistributedContext)
     given = {k: getattr(pipeline, k) for k in pipeline.model_fields_set & _MODULE_KEYS}
     if isinstance(getattr(model, "topology", None), Topology):
         for key, value in given.items():
+            if key == "activation_checkpoint_interval" and value > 0:
+                # DeepSpeed's rule: a positive interval in the config is the module's (the
+                # module reads it at each forward, so it can change after building).
+                model.activation_checkpoint_interval = value
+                continue
             if getattr(model, key) != value:
                 raise ValueError(
                     f"pipeline.{key} is {value!r} in the config but the PipelineModule was built with "

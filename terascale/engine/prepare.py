@@ -49,7 +49,7 @@ from terascale.engine.experts import (
     setup_experts,
 )
 from terascale.engine.model_state import ModelState, ReplicatedState
-from terascale.engine.optimizer import OptimizerArg
+from terascale.engine.optimizer import OptimizerArg, forward_only
 from terascale.engine.parallel import ParallelLayout
 from terascale.engine.precision import PrecisionPolicy
 from terascale.moe.groups import ExpertLayout
@@ -128,7 +128,8 @@ def prepare_model(
                 "hold the old ones: use the config's 'optimizer' section or pass optimizer as a callable"
             )
         tile_linears(module, int(config.zero_optimization.tile_linear_above))
-    param_groups = user_param_groups(module, optimizer, model_parameters, sliced)
+    # A forward-only engine (no optimizer) trains nothing: no masters, gradients or optimizer state.
+    param_groups = [] if forward_only(config, optimizer) else user_param_groups(module, optimizer, model_parameters, sliced)
     if isinstance(optimizer, torch.optim.Optimizer):  # the user's groups stand: DeepSpeed's rule for them
         check_expert_param_groups(param_groups, experts, config.zero_optimization.stage)
     else:

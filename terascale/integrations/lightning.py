@@ -24,6 +24,16 @@ gives them to DeepSpeed:
   Lightning's own state (loops, callbacks, epoch) as its client state, and
   ``fit(ckpt_path=path)`` resumes exactly. Full weights: ``strategy.full_state_dict()``, or
   ``terascale.checkpoint.consolidated_state_dict(path)`` from a checkpoint.
+
+Why a strategy of its own when terascale can stand in for ``deepspeed``: Lightning's
+``DeepSpeedStrategy`` (``strategy="deepspeed_stage_2"`` and the like) refuses the CPU by its
+own check, whatever ``deepspeed`` is: its ``setup_environment`` (in ``lightning.pytorch`` and
+``lightning.fabric`` alike, Lightning 2.6) raises ``RuntimeError: The DeepSpeed strategy is only
+supported on CUDA GPUs`` unless the accelerator is Lightning's ``CUDAAccelerator``, at the start
+of ``fit``, before any DeepSpeed call. (Its constructor passes with the stand-in on: its
+``deepspeed>=0.16.0`` requirement reads the stand-in's version.) On CPU this strategy is the
+way. (On GPUs Lightning's own passes that check and calls whatever ``deepspeed`` is; the
+suite, on CPU, does not exercise that.)
 """
 
 from __future__ import annotations

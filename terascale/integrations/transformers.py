@@ -7,6 +7,19 @@ trainer = Trainer(model=model, args=TrainingArguments(...), train_dataset=ds, co
 trainer.train()
 ```
 
+[Note: two ways to run the Trainer]
+The first way needs nothing from terascale in the script: with terascale standing in for
+DeepSpeed (``terascale run --as-deepspeed``, or ``TERASCALE_AS_DEEPSPEED=1``), transformers'
+own ``Trainer`` with ``TrainingArguments(deepspeed=...)`` drives terascale through its
+DeepSpeed integration and accelerate's, and trains as this module's Trainer does
+(tests/test_hf_native.py holds both to the plain Trainer). This module is the other way,
+for where the switch cannot be on (a real DeepSpeed installed in the same environment, or a
+script that must not depend on how it is launched) and for what transformers' DeepSpeed
+code does not reach on terascale: AutoTP (it calls ``deepspeed.tp_model_init``), terascale's
+own sequence parallelism from ``TrainingArguments.parallelism_config``, evaluation before
+training, and the planner's ``"auto"`` stage and offload (resolved here with the Trainer's
+values, ``[Note: the planner at initialize]``).
+
 [Note: the Trainer on an engine]
 The Trainer keeps its own loop (data, logging, callbacks, evaluation, checkpoint folders);
 terascale takes what touches parameters, gradients and optimizer state:

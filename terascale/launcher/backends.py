@@ -25,18 +25,19 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from terascale.launcher.cores import worker_args
-
 if TYPE_CHECKING:
     from terascale.launcher.runner import LaunchOptions
 
 __all__ = [
     "LAUNCHERS",
+    "PDSH_MAX_FAN_OUT",
     "check_fixed_world",
     "mpirun_command",
     "pdsh_command",
+    "pid_file",
     "processes_per_host",
     "rank_program",
+    "remote_prelude",
     "shared_visible_devices",
     "shell_command",
     "srun_command",
@@ -44,18 +45,35 @@ __all__ = [
 
 LAUNCHERS = ("torchrun", "pdsh", "mpi", "slurm")
 # pdsh's default fan-out is 32 concurrent connections; a job's hosts all start at once.
-_PDSH_MAX_FAN_OUT = 1024
+PDSH_MAX_FAN_OUT = 1024
 
 
-def shell_command(cwd: str, env: Mapping[str, str], argv: Sequence[str]) -> str:
-    """``cd CWD && export K=V ... && exec ARGV`` for a remote shell, every piece quoted.
+def shell_command(cwd: str, env: Mapping[str, str], argv: Sequence[str], prelude: Sequence[str] = ()) -> str:
+    """``[PRELUDE && ]cd CWD && export K=V ... && exec ARGV`` for a remote shell, every piece
+    quoted but the ``prelude`` commands, which are shell text.
 
     ``exec``: the program replaces the shell, so a hang-up on disconnect reaches it directly.
     """
-    command = f"cd {shlex.quote(cwd)}"
+    command = " && ".join([*prelude, f"cd {shlex.quote(cwd)}"])
     if env:
         command += " && export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     return command + " && exec " + shlex.join(argv)
+
+
+def pid_file(pid: int) -> str:
+    """DeepSpeed's ``--save_pid`` file, named by the pid of the launcher the user started."""
+    return f"/tmp/{pid}.deepspeed"
+
+
+def remote_prelude(opts: LaunchOptions) -> list[str]:
+    """What a remote shell runs before the agent: ``--venv_script``, and ``--save_pid``'s file."""
+    prelude = []
+    if opts.venv_script is not None:
+        prelude.append(f". {shlex.quote(opts.venv_script)}")
+    if opts.save_pid is not None:
+        # The shell execs the agent, which keeps its pid: $$ is the agent's.
+        prelude.append(f"echo $$ > {shlex.quote(pid_file(opts.save_pid))}")
+    return prelude
 
 
 def shared_visible_devices(launcher: str, hosts: Mapping[str, Sequence[int]],
@@ -102,7 +120,7 @@ def pdsh_command(hosts: Sequence[str], remote: str, *, launcher_args: Sequence[s
     on every host at once (``-S``: exit with the largest remote exit code)."""
     if not hosts:
         raise ValueError("no hosts to launch on")
-    fan_out = min(len(hosts), _PDSH_MAX_FAN_OUT)
+    fan_out = min(len(hosts), PDSH_MAX_FAN_OUT)
     return ["pdsh", "-S", "-f", str(fan_out), "-w", ",".join(hosts), *launcher_args, remote]
 
 
@@ -110,15 +128,16 @@ def rank_program(opts: LaunchOptions, python: str) -> list[str]:
     """What each rank runs when a launcher other than torchrun starts it: ``python -u
     SCRIPT ARGS`` (``-m`` for a module), through the rank shim for ``--local_rank`` and
     core binding ([Note: the rank shim]), which reads the launcher's local rank."""
-    if opts.local_rank_arg or opts.binds_cores:
-        shim = worker_args(opts.script, opts.script_args, module=opts.module, local_rank_arg=opts.local_rank_arg,
-                           bind=opts.binds_cores, core_list=opts.bind_core_list)  # fmt: skip
+    shim = opts.shim_args()
+    if shim is not None:
         return [python, "-u", "-m", "terascale.launcher.worker", *shim]
+    if opts.no_python:
+        return [opts.script, *opts.script_args]
     return [python, "-u", *(["-m"] if opts.module else []), opts.script, *opts.script_args]
 
 
 def mpirun_command(hosts: Mapping[str, int], program: Sequence[str], *, exports: Mapping[str, str], cwd: str,
-                   launcher_args: Sequence[str] = ()) -> list[str]:  # fmt: skip
+                   launcher_args: Sequence[str] = (), ssh_port: int | None = None) -> list[str]:  # fmt: skip
     """OpenMPI's ``mpirun`` starting ``hosts[h]`` copies of ``program`` on each host ``h``.
 
     ``--map-by slot`` fills each host's slots in the hostfile's order, so ranks 0..n-1 are
@@ -126,7 +145,8 @@ def mpirun_command(hosts: Mapping[str, int], program: Sequence[str], *, exports:
     launcher arguments bind: OpenMPI binds each rank to one core by default for small
     jobs, which would leave torch's intra-op threads one core (terascale's own
     ``--bind_cores_to_rank`` binds to a share of the cores instead). ``exports`` are
-    passed with ``-x``.
+    passed with ``-x``; ``ssh_port`` reaches OpenMPI's ssh as ``--mca plm_rsh_args "-p PORT"``
+    unless the launcher arguments set those.
     """
     if not hosts:
         raise ValueError("no hosts to launch on")
@@ -135,6 +155,8 @@ def mpirun_command(hosts: Mapping[str, int], program: Sequence[str], *, exports:
         argv += ["--map-by", "slot"]
     if not any(a.lstrip("-") == "bind-to" for a in launcher_args):
         argv += ["--bind-to", "none"]
+    if ssh_port is not None and "plm_rsh_args" not in launcher_args:
+        argv += ["--mca", "plm_rsh_args", f"-p {ssh_port}"]
     argv += ["-wdir", cwd, *launcher_args]
     for key, value in exports.items():
         argv += ["-x", f"{key}={value}"]

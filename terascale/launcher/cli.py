@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from terascale.launcher.deepspeed_cli import add_deepspeed_arguments, launcher_name  # no torch
 
 if TYPE_CHECKING:
     from terascale.launcher.runner import LaunchOptions
@@ -51,26 +53,28 @@ def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    "could split the job (under 3 attempts or 4 s) are refused")
     p.add_argument("-H", "--hostfile", default=None, metavar="FILE",
                    help="DeepSpeed-format hostfile ('HOST slots=N' lines); start one agent per host over ssh")
-    p.add_argument("--launcher", default="torchrun", choices=("torchrun", "pdsh", "mpi", "slurm"),
+    p.add_argument("--launcher", default="torchrun", type=launcher_name, choices=("torchrun", "pdsh", "mpi", "slurm"),
                    help="how the hosts of --hostfile are started: torchrun agents over ssh (default), pdsh "
-                   "(torchrun agents), mpi (OpenMPI's mpirun) or slurm (srun, inside an allocation); "
+                   "(torchrun agents), mpi or openmpi (OpenMPI's mpirun) or slurm (srun, inside an allocation); "
                    "under mpi and slurm each rank finds its place from the launcher's variables")
     p.add_argument("--launcher_args", "--launcher-args", dest="launcher_args", default="", metavar="ARGS",
                    help="extra arguments for pdsh, mpirun or srun, in one string "
                    "(--launcher_args='-p gpu'; with '=' when it starts with a dash)")
     p.add_argument("-i", "--include", default="", metavar="SPEC",
-                   help="use only these hosts/slots, e.g. 'worker-0@worker-1:0,2'")
+                   help="use only these hosts/slots, e.g. 'worker-0@worker-1:0,2' (without --hostfile, as in "
+                   "DeepSpeed: 'localhost:0,1', this machine's devices)")
     p.add_argument("-e", "--exclude", default="", metavar="SPEC",
                    help="use everything but these hosts/slots, e.g. 'worker-1:0'")
 
 
 def _launch_options(args: argparse.Namespace, script: str, script_args: Sequence[str] = (), *,
                     module: bool = False, max_restarts: int = 0, local_rank_arg: bool = False,
-                    bind_cores: bool = False, bind_core_list: str | None = None) -> LaunchOptions:
-    """The :class:`LaunchOptions` of the arguments :func:`_add_launch_arguments` added."""
+                    bind_cores: bool = False, bind_core_list: str | None = None, **fields: Any) -> LaunchOptions:
+    """The :class:`LaunchOptions` of the arguments :func:`_add_launch_arguments` added (``fields``
+    override them)."""
     from terascale.launcher.runner import LaunchOptions
 
-    return LaunchOptions(
+    values = dict(
         script=script,
         script_args=tuple(script_args),
         nproc=args.nproc,
@@ -86,6 +90,7 @@ def _launch_options(args: argparse.Namespace, script: str, script_args: Sequence
         bind_cores=bind_cores,
         bind_core_list=bind_core_list,
     )
+    return LaunchOptions(**{**values, **fields})
 
 
 def _add_run(subparsers: argparse._SubParsersAction) -> None:
@@ -98,7 +103,9 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
             "`terascale run --nproc 2 train.py`. Many: either run `terascale run --nnodes N "
             "--node_rank R --master_addr A ...` on every machine, or give a DeepSpeed-style "
             "--hostfile and terascale starts one agent per host over ssh (or all hosts with "
-            "--launcher pdsh, mpi or slurm)."
+            "--launcher pdsh, mpi or slurm). DeepSpeed's launcher command line works as it is: "
+            "`deepspeed --num_gpus 2 train.py --deepspeed ds.json` is `terascale run --as-deepspeed "
+            "--num_gpus 2 train.py --deepspeed ds.json`."
         ),
     )
     _add_launch_arguments(p)
@@ -114,19 +121,21 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
                    "and set OMP_NUM_THREADS to its size, as DeepSpeed's launcher does")
     p.add_argument("--bind_core_list", "--bind-core-list", dest="bind_core_list", default=None, metavar="LIST",
                    help="the cores to share out, e.g. '0-15,32-47' (implies --bind_cores_to_rank)")
+    add_deepspeed_arguments(p)
     p.add_argument("script", help="training script (or module with --module)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(handler=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    from terascale.launcher.deepspeed_cli import launch_fields, stand_in_environment
     from terascale.launcher.runner import launch
 
     opts = _launch_options(args, args.script, args.script_args, module=args.module, max_restarts=args.max_restarts,
                            local_rank_arg=not args.no_local_rank, bind_cores=args.bind_cores_to_rank,
-                           bind_core_list=args.bind_core_list)  # fmt: skip
+                           bind_core_list=args.bind_core_list, **launch_fields(args))  # fmt: skip
     return launch(opts, hostfile=args.hostfile, include=args.include, exclude=args.exclude, launcher=args.launcher,
-                  launcher_args=args.launcher_args)
+                  launcher_args=args.launcher_args, environ=stand_in_environment(args.as_deepspeed))
 
 
 def _add_env(subparsers: argparse._SubParsersAction) -> None:

@@ -90,7 +90,8 @@ def bind_cores(core_list: str | None, local_world_size: int, local_rank: int) ->
 
 
 def worker_args(script: str, script_args: Sequence[str], *, module: bool, local_rank_arg: bool,
-                bind: bool, core_list: str | None) -> list[str]:
+                bind: bool, core_list: str | None, no_python: bool = False,
+                rank_log: str | None = None) -> list[str]:  # fmt: skip
     """The arguments of ``python -m terascale.launcher.worker`` for these choices."""
     args = []
     if local_rank_arg:
@@ -101,4 +102,8 @@ def worker_args(script: str, script_args: Sequence[str], *, module: bool, local_
         args.append(f"--bind_core_list={core_list}")
     if module:
         args.append("--module")
+    if no_python:
+        args.append("--no_python")
+    if rank_log is not None:
+        args.append(f"--rank_log={rank_log}")
     return [*args, script, *script_args]

@@ -7,6 +7,7 @@ that fails stops the others.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -60,13 +61,26 @@ def _stop(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
             proc.wait()
 
 
-def run_local(argv: Sequence[str], env: Mapping[str, str] | None = None, grace_s: float = 30.0) -> int:
+def run_local(argv: Sequence[str], env: Mapping[str, str] | None = None, grace_s: float = 30.0,
+              pid_file: str | None = None) -> int:  # fmt: skip
     """Run the torchrun ``argv`` here and return its exit code (128+N if killed by signal N).
 
     On Ctrl-C torchrun gets ``grace_s`` to stop its workers before it is
-    terminated; SIGTERM to this process is passed on to torchrun.
+    terminated; SIGTERM to this process is passed on to torchrun. ``pid_file``: a file
+    holding the child's pid while it runs (DeepSpeed's ``--save_pid``).
     """
     proc = subprocess.Popen(list(argv), env=None if env is None else dict(env))
+    try:
+        if pid_file is not None:
+            with open(pid_file, "w") as f:
+                f.write(str(proc.pid))
+        return _wait_local(proc, grace_s)
+    finally:
+        if pid_file is not None and os.path.exists(pid_file):
+            os.remove(pid_file)
+
+
+def _wait_local(proc: subprocess.Popen, grace_s: float) -> int:
     try:
         with _sigterm_as_exception():
             return _exit_code(proc.wait())

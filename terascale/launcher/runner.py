@@ -10,21 +10,24 @@ rendezvous. This module only decides *which* torchrun command runs *where*:
   ``master_addr:master_port``, node R taking global ranks R*nproc..;
 * otherwise: c10d rendezvous at ``master_addr:master_port``;
 * with a hostfile: one agent per host, started over ``ssh`` concurrently, with
-  the environment (``PYTHONPATH``, ``NCCL_*``, ``.terascale_env`` entries) and
-  the working directory carried over; or, with ``--launcher pdsh|mpi|slurm``, one
-  command of that tool for every host (:mod:`terascale.launcher.backends`);
+  the environment (``PYTHONPATH``, ``NCCL_*``, ``.terascale_env`` entries:
+  :mod:`terascale.launcher.environment`) and the working directory carried over; or,
+  with ``--launcher pdsh|mpi|slurm``, one command of that tool for every host
+  (:mod:`terascale.launcher.backends`); or, with ``--no_ssh --node_rank R``, this
+  machine's agent only, as host R of the hostfile;
 * with ``--local_rank=N`` for the script or core binding: torchrun starts the rank
   shim, which does the per-rank part and execs the script ([Note: the rank shim]).
 
 Command construction is pure (:func:`torchrun_args`, :func:`ssh_commands`,
-...) so it is testable without ssh; :func:`launch` ties it to processes.
+...) so it is testable without ssh; :func:`launch` ties it to processes. This module is
+also ``deepspeed.launcher.runner`` under the stand-in, with DeepSpeed's names of it from
+:mod:`terascale.launcher.deepspeed_cli` (``python -m`` runs DeepSpeed's command line).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import shlex
 import shutil
 import socket
@@ -36,6 +39,28 @@ from pathlib import Path
 
 from terascale.launcher import backends
 from terascale.launcher.cores import parse_core_list, rank_cores, usable_cores, worker_args
+# deepspeed.launcher.runner is this module: DeepSpeed's names of it ([Note: DeepSpeed's launcher flags]).
+from terascale.launcher.deepspeed_cli import (  # noqa: F401
+    DEEPSPEED_ENVIRONMENT_PATHS,
+    DLTS_HOSTFILE,
+    EXPORT_ENVS,
+    PDSH_MAX_FAN_OUT,
+    _parse_hostfile,
+    fetch_hostfile,
+    main,
+    parse_args,
+    parse_inclusion_exclusion,
+    parse_resource_filter,
+)
+from terascale.launcher.environment import (  # noqa: F401
+    DEEPSPEED_ENVIRONMENT_NAME,
+    ENV_FILE_NAMES,
+    env_file_names,
+    load_env_files,
+    parse_env_file,
+    remote_exports,
+    restart_safe_environment,
+)
 from terascale.launcher.hostfile import filter_hosts, read_hostfile
 from terascale.launcher.processes import run_local, run_remote
 from terascale.launcher.rendezvous import rendezvous_conf
@@ -49,6 +74,7 @@ __all__ = [
     "launch",
     "launcher_command",
     "load_env_files",
+    "node_options",
     "parse_env_file",
     "parse_nnodes",
     "remote_exports",
@@ -60,15 +86,10 @@ __all__ = [
 ]
 
 DEFAULT_MASTER_PORT = 29500
-# Later names win, so a terascale file overrides a DeepSpeed one in the same directory.
-ENV_FILE_NAMES = (".deepspeed_env", ".terascale_env")
 # BatchMode: fail instead of prompting for a password nobody can type.
 # -tt: a remote pty, so closing the connection (when we terminate the ssh client)
 # hangs up the remote torchrun agent instead of leaving it orphaned.
 DEFAULT_SSH_OPTIONS = ("-tt", "-o", "BatchMode=yes", "-o", "ConnectTimeout=30")
-_EXPORT_PREFIXES = ("NCCL_",)
-_EXPORT_NAMES = ("PYTHONPATH",)
-_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
@@ -110,8 +131,11 @@ class LaunchOptions:
     ``local_rank_arg`` passes ``--local_rank=N`` to the script (``terascale run`` does
     unless ``--no_local_rank``, as DeepSpeed's launcher does); ``bind_cores`` pins each
     rank to its share of the cores (of ``bind_core_list``, which implies it) and sets
-    ``OMP_NUM_THREADS`` to match. Either runs the script through the rank shim
-    ([Note: the rank shim] in :mod:`terascale.launcher.worker`).
+    ``OMP_NUM_THREADS`` to match; ``rank_log`` (a path prefix) sends each rank's output to
+    ``<rank_log>_rank<N>.log``. Any of these runs the script through the rank shim ([Note:
+    the rank shim] in :mod:`terascale.launcher.worker`). ``no_python`` runs the script as an
+    executable. The fields from ``no_ssh`` on are DeepSpeed's launcher flags ([Note:
+    DeepSpeed's launcher flags]); ``save_pid`` is the pid naming ``/tmp/<pid>.deepspeed``.
     """
 
     script: str
@@ -128,6 +152,14 @@ class LaunchOptions:
     local_rank_arg: bool = False
     bind_cores: bool = False
     bind_core_list: str | None = None  # DeepSpeed's syntax, e.g. "0-7,16-23"
+    no_python: bool = False
+    rank_log: str | None = None
+    no_ssh: bool = False
+    force_multi: bool = False
+    save_pid: int | None = None
+    ssh_port: int | None = None
+    venv_script: str | None = None
+    log_level: str = "info"  # terascale run's own messages: debug, info, or quieter
 
     def __post_init__(self) -> None:
         if not self.script:
@@ -138,10 +170,10 @@ class LaunchOptions:
             _, high = parse_nnodes(self.nnodes)
             if self.node_rank is not None and not 0 <= self.node_rank < high:
                 raise ValueError(f"--node_rank {self.node_rank}: must be in [0, {high}) for --nnodes {self.nnodes}")
-            if self.node_rank is not None and ":" in self.nnodes:
+            if self.node_rank is not None and ":" in self.nnodes and not self.no_ssh:
                 raise ValueError(f"--node_rank with an elastic --nnodes {self.nnodes}: the rendezvous gives nodes "
                                  "their ranks as they join; drop --node_rank, or give a fixed node count")
-        elif self.node_rank not in (None, 0):
+        elif self.node_rank not in (None, 0) and not self.no_ssh:
             raise ValueError(f"--node_rank {self.node_rank} needs --nnodes greater than 1")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ValueError(f"--master_port {self.master_port}: must be in 1..65535")
@@ -153,23 +185,26 @@ class LaunchOptions:
             parse_core_list(self.bind_core_list)  # a malformed list fails here, not in every rank
         if self.rdzv_conf is not None:
             rendezvous_conf(self.rdzv_conf)  # settings that could split the job fail before any node starts
+        if self.module and self.no_python:
+            raise ValueError("--module and --no_python: a module runs with python -m; give one of them")
+        if self.ssh_port is not None and not 0 < self.ssh_port < 65536:
+            raise ValueError(f"--ssh_port {self.ssh_port}: must be in 1..65535")
 
     @property
     def binds_cores(self) -> bool:
         return self.bind_cores or self.bind_core_list is not None
 
+    def shim_args(self) -> list[str] | None:
+        """The rank shim's arguments for these options, or None when the script needs no shim."""
+        if not (self.local_rank_arg or self.binds_cores or self.rank_log is not None):
+            return None
+        return worker_args(self.script, self.script_args, module=self.module, local_rank_arg=self.local_rank_arg,
+                           bind=self.binds_cores, core_list=self.bind_core_list, no_python=self.no_python,
+                           rank_log=self.rank_log)  # fmt: skip
 
-# torchrun's c10d rendezvous shares its TCPStore with the workers by default, and after a
-# restart the new workers can read the previous attempt's keys (gloo/NCCL addresses) from
-# it: connections refused or hangs at init (pytorch/pytorch#135712, #167288; seen here with
-# gloo on torch 2.13). A store per rendezvous round avoids that.
-_RESTART_SAFE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-
-
-def restart_safe_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """``environ`` plus the settings that make torchrun's worker restarts reliable
-    (values the user set win)."""
-    return {**_RESTART_SAFE_ENV, **environ}
+    def says(self, level: str = "info") -> bool:
+        """Whether terascale run prints a message of ``level`` (``"info"`` or ``"debug"``)."""
+        return self.log_level == "debug" or (level == "info" and self.log_level == "info")
 
 
 def default_nproc() -> int:
@@ -239,77 +274,16 @@ def torchrun_args(opts: LaunchOptions, nproc_per_node: int, python: str = sys.ex
         # No --node_rank: c10d gives node ranks in order of arrival, and torchrun would
         # only log that it ignores the flag.
     args += [f"--nproc_per_node={nproc_per_node}", f"--max_restarts={opts.max_restarts}"]
-    if opts.local_rank_arg or opts.binds_cores:
+    shim = opts.shim_args()
+    if shim is not None:
         # What differs per rank is done in the rank's process ([Note: the rank shim]).
-        shim = worker_args(opts.script, opts.script_args, module=opts.module, local_rank_arg=opts.local_rank_arg,
-                           bind=opts.binds_cores, core_list=opts.bind_core_list)  # fmt: skip
         return [*args, "--module", "terascale.launcher.worker", *shim]
     if opts.module:
         args.append("--module")
+    if opts.no_python:
+        args.append("--no-python")
     args += [opts.script, *opts.script_args]
     return args
-
-
-# ---------------------------------------------------------------------------
-# environment propagation
-
-
-def _unquote(value: str) -> str:
-    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-        return value[1:-1]
-    return value
-
-
-def parse_env_file(text: str, source: str = ".terascale_env") -> dict[str, str]:
-    """Parse ``KEY=VALUE`` lines (blank lines and ``#`` comments skipped).
-
-    One pair of surrounding quotes around VALUE is removed; nothing is
-    expanded. Raises ``ValueError`` naming ``source`` and the line for a line
-    without ``=`` or a KEY that is not a valid variable name.
-    """
-    result: dict[str, str] = {}
-    for lineno, raw in enumerate(text.splitlines(), start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, sep, value = line.partition("=")
-        key = key.strip()
-        if not sep or not _ENV_KEY.match(key):
-            raise ValueError(f"{source}, line {lineno}: expected KEY=VALUE, got {line!r}")
-        result[key] = _unquote(value.strip())
-    return result
-
-
-def load_env_files(directories: Sequence[str | Path]) -> dict[str, str]:
-    """Merge the ``.deepspeed_env`` / ``.terascale_env`` files found in ``directories``.
-
-    Later directories and later names override earlier ones, so with
-    ``[home, cwd]`` the current directory wins. Missing files are skipped.
-    """
-    merged: dict[str, str] = {}
-    seen: set[Path] = set()
-    for directory in directories:
-        for name in ENV_FILE_NAMES:
-            path = Path(directory, name)
-            if not path.is_file():
-                continue
-            resolved = path.resolve()
-            if resolved in seen:
-                continue
-            seen.add(resolved)
-            merged.update(parse_env_file(path.read_text(), source=str(path)))
-    return merged
-
-
-def remote_exports(environ: Mapping[str, str], env_file_vars: Mapping[str, str]) -> dict[str, str]:
-    """Variables to export on every remote host: PYTHONPATH, NCCL_*, then the env files."""
-    exports = {
-        key: environ[key]
-        for key in sorted(environ)
-        if key in _EXPORT_NAMES or key in _RESTART_SAFE_ENV or key.startswith(_EXPORT_PREFIXES)
-    }
-    exports.update(env_file_vars)
-    return exports
 
 
 # ---------------------------------------------------------------------------
@@ -362,14 +336,15 @@ def ssh_commands(
     """One ``ssh`` argv per host, in ``hosts`` order.
 
     Each runs ``cd CWD && export VARS && exec torchrun ...`` remotely, every
-    piece shell-quoted. Global ranks come from the c10d rendezvous, so
-    ``--node_rank`` is not passed. The rendezvous is c10d at ``opts.master_addr`` (default:
-    the first host) and ``opts.master_port`` (default 29500); a host using a
-    subset of its ``slots_per_host`` also gets ``CUDA_VISIBLE_DEVICES``.
+    piece shell-quoted (after :func:`~terascale.launcher.backends.remote_prelude`). Global ranks come from
+    the c10d rendezvous, so ``--node_rank`` is not passed. The rendezvous is c10d at
+    ``opts.master_addr`` (default: the first host) and ``opts.master_port`` (default
+    29500); a host using a subset of its ``slots_per_host`` also gets ``CUDA_VISIBLE_DEVICES``.
     """
     if not hosts:
         raise ValueError("no hosts to launch on")
     host_opts = _agent_options(opts, list(hosts), rdzv_id)
+    port = [] if opts.ssh_port is None else ["-p", str(opts.ssh_port)]
     commands = []
     for host in hosts:
         slots = list(hosts[host])
@@ -377,7 +352,8 @@ def ssh_commands(
         host_env = dict(exports)
         if slots != list(range(slots_per_host[host])):
             host_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
-        commands.append(["ssh", *ssh_options, host, backends.shell_command(cwd, host_env, argv)])
+        remote = backends.shell_command(cwd, host_env, argv, prelude=backends.remote_prelude(opts))
+        commands.append(["ssh", *ssh_options, *port, host, remote])
     return commands
 
 
@@ -403,6 +379,12 @@ def launcher_command(
     cannot do.
     """
     backends.check_fixed_world(opts, launcher)
+    if launcher in ("mpi", "slurm") and opts.venv_script is not None:
+        raise ValueError(f"--venv_script is sourced by the remote shell of --launcher torchrun (ssh) or pdsh; "
+                         f"--launcher {launcher} starts the ranks without a shell: activate the environment "
+                         "before terascale run (its PATH and variables are passed on)")  # fmt: skip
+    if launcher == "slurm" and opts.ssh_port is not None:
+        raise ValueError("--ssh_port: srun starts the tasks through SLURM's daemons, not ssh; drop --ssh_port")
     extra = shlex.split(launcher_args)
     env = dict(exports)
     devices = backends.shared_visible_devices(launcher, hosts, slots_per_host)
@@ -413,14 +395,18 @@ def launcher_command(
     if launcher == "pdsh":
         agent = torchrun_args(_agent_options(opts, names, rdzv_id), backends.processes_per_host(launcher, hosts),
                               python=python)  # fmt: skip
+        remote = backends.shell_command(cwd, env, agent, prelude=backends.remote_prelude(opts))
         # pdsh reaches the hosts over ssh, as the torchrun launcher does.
-        return backends.pdsh_command(names, backends.shell_command(cwd, env, agent), launcher_args=extra), {
-            "PDSH_RCMD_TYPE": "ssh"}  # fmt: skip
+        tool_env = {"PDSH_RCMD_TYPE": "ssh"}
+        if opts.ssh_port is not None:
+            tool_env["PDSH_SSH_ARGS_APPEND"] = f"-p {opts.ssh_port}"
+        return backends.pdsh_command(names, remote, launcher_args=extra), tool_env
     program = backends.rank_program(opts, python)
     if launcher == "mpi":
         env.update(MASTER_ADDR=master, MASTER_PORT=str(port))
         counts = {host: len(slots) for host, slots in hosts.items()}
-        return backends.mpirun_command(counts, program, exports=env, cwd=cwd, launcher_args=extra), {}
+        return backends.mpirun_command(counts, program, exports=env, cwd=cwd, launcher_args=extra,
+                                       ssh_port=opts.ssh_port), {}  # fmt: skip
     if launcher == "slurm":
         if opts.master_addr is not None:
             env["MASTER_ADDR"] = opts.master_addr
@@ -438,6 +424,21 @@ def _agent_options(opts: LaunchOptions, names: list[str], rdzv_id: str) -> Launc
     return dataclasses.replace(opts, nnodes=_nnodes_for(opts, len(names)), node_rank=None,
                                master_addr=opts.master_addr or names[0],
                                master_port=opts.master_port or DEFAULT_MASTER_PORT, rdzv_id=rdzv_id)  # fmt: skip
+
+
+def node_options(opts: LaunchOptions, hosts: Mapping[str, Sequence[int]]) -> LaunchOptions:
+    """``--no_ssh``: ``opts`` for this machine as node ``opts.node_rank`` of the selected
+    ``hosts``, every node started by hand with the same command: the static rendezvous at
+    ``opts.master_addr`` (default: the first host) for a fixed count, c10d for an elastic
+    range (whose nodes take their ranks as they join)."""
+    names = list(hosts)
+    if opts.node_rank is None or not 0 <= opts.node_rank < len(names):
+        raise ValueError(f"--no_ssh starts this machine's ranks only, as one of the {len(names)} selected hosts "
+                         f"({', '.join(names)}): give --node_rank R in [0, {len(names)})")  # fmt: skip
+    nnodes = _nnodes_for(opts, len(names))
+    return dataclasses.replace(opts, nnodes=nnodes, node_rank=None if ":" in nnodes else opts.node_rank,
+                               master_addr=opts.master_addr or names[0],
+                               master_port=opts.master_port or DEFAULT_MASTER_PORT, no_ssh=False)  # fmt: skip
 
 
 def _nnodes_for(opts: LaunchOptions, selected: int) -> str:
@@ -466,6 +467,21 @@ def _check_local_cores(opts: LaunchOptions, nproc: int) -> None:
     rank_cores(cores, nproc, 0)
 
 
+def _run_here(opts: LaunchOptions, argv: Sequence[str], env: Mapping[str, str], *, pid_file: bool = True) -> int:
+    """Run ``argv`` on this machine (``--save_pid``: its pid in DeepSpeed's file)."""
+    if opts.says("debug"):
+        print(f"terascale: {shlex.join(argv)}", file=sys.stderr, flush=True)
+    return run_local(argv, env=env, pid_file=backends.pid_file(opts.save_pid) if opts.save_pid and pid_file else None)
+
+
+def _local_devices(env: Mapping[str, str], slots: Sequence[int], count: int) -> dict[str, str]:
+    """``env``, with ``CUDA_VISIBLE_DEVICES`` for a host using some of its ``count`` slots."""
+    env = dict(env)
+    if list(slots) != list(range(count)):
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
+    return env
+
+
 def launch(
     opts: LaunchOptions,
     *,
@@ -481,9 +497,10 @@ def launch(
 
     Without ``hostfile``: one torchrun agent on this machine. With one: one
     agent per selected host over ssh (or locally, if the only host is this
-    machine), or with ``launcher`` ``pdsh``, ``mpi`` or ``slurm`` one command of
-    that tool for every selected host, this machine included (:func:`launcher_command`).
-    Raises ``ValueError`` for inconsistent options.
+    machine and not ``opts.force_multi``; only this machine's, as node
+    ``opts.node_rank``, with ``opts.no_ssh``), or with ``launcher`` ``pdsh``, ``mpi`` or
+    ``slurm`` one command of that tool for every selected host, this machine included
+    (:func:`launcher_command`). Raises ``ValueError`` for inconsistent options.
     """
     if launcher not in backends.LAUNCHERS:
         raise ValueError(f"--launcher {launcher!r}: choose one of {', '.join(backends.LAUNCHERS)}")
@@ -493,45 +510,61 @@ def launch(
     environ = restart_safe_environment(os.environ if environ is None else environ)
     cwd = os.getcwd() if cwd is None else cwd
     if hostfile is None:
-        if include or exclude:
-            raise ValueError("--include/--exclude select hosts from a --hostfile; give one")
-        if launcher != "torchrun":
-            raise ValueError(f"--launcher {launcher} starts the hosts of a --hostfile; give one (one machine: "
+        if launcher != "torchrun" or opts.force_multi:
+            flag = "--force_multi" if launcher == "torchrun" else f"--launcher {launcher}"
+            raise ValueError(f"{flag} starts the hosts of a --hostfile; give one (one machine: "
                              "terascale run --nproc N)")  # fmt: skip
-        nproc = opts.nproc or default_nproc()
-        _check_local_cores(opts, nproc)
-        argv = torchrun_args(opts, nproc_per_node=nproc)
-        return run_local(argv, env=environ)
+        count = opts.nproc or default_nproc()
+        slots = list(range(count))
+        if include or exclude:  # DeepSpeed's one-machine pool: `--include localhost:1` picks this machine's devices
+            try:
+                slots = select_resources({"localhost": count}, include=include, exclude=exclude,
+                                         nproc=opts.nproc)["localhost"]  # fmt: skip
+            except ValueError as exc:
+                raise ValueError(f"{exc} (without a --hostfile, the one host is localhost with this machine's "
+                                 f"{count} device(s))") from None  # fmt: skip
+        _check_local_cores(opts, len(slots))
+        argv = torchrun_args(opts, nproc_per_node=len(slots))
+        return _run_here(opts, argv, _local_devices(environ, slots, count))
 
-    if opts.node_rank is not None:
-        raise ValueError("--node_rank is assigned per host when --hostfile is given; drop --node_rank")
+    if opts.node_rank is not None and not opts.no_ssh:
+        raise ValueError("--node_rank is assigned per host when --hostfile is given; drop --node_rank (or start "
+                         "each host by hand with --no_ssh --node_rank R)")  # fmt: skip
     pool = read_hostfile(hostfile)
     hosts = select_resources(pool, include=include, exclude=exclude, nnodes=opts.nnodes, nproc=opts.nproc)
+    if opts.no_ssh:
+        if launcher != "torchrun":
+            raise ValueError(f"--no_ssh starts this machine's ranks only; --launcher {launcher} starts every host: "
+                             "drop one of them")  # fmt: skip
+        here = node_options(opts, hosts)
+        host = list(hosts)[opts.node_rank]
+        _check_local_cores(here, len(hosts[host]))
+        return _run_here(here, torchrun_args(here, len(hosts[host])), _local_devices(environ, hosts[host], pool[host]))
     if launcher != "torchrun":
-        exports = remote_exports(environ, load_env_files([Path.home(), cwd]))
+        exports = remote_exports(environ, load_env_files([Path.home(), cwd], env_file_names(environ)))
         argv, extra_env = launcher_command(launcher, opts, hosts, slots_per_host=pool, exports=exports, cwd=cwd,
                                            rdzv_id=opts.rdzv_id or uuid.uuid4().hex[:16], launcher_args=launcher_args)
         if shutil.which(argv[0]) is None:
             raise ValueError(f"--launcher {launcher}: {argv[0]} was not found on PATH; install it, or use "
                              "--launcher torchrun (ssh)")  # fmt: skip
-        for host, slots in hosts.items():
+        if environ.get("PDSH_SSH_ARGS_APPEND") and "PDSH_SSH_ARGS_APPEND" in extra_env:
+            extra_env["PDSH_SSH_ARGS_APPEND"] = f"{environ['PDSH_SSH_ARGS_APPEND']} {extra_env['PDSH_SSH_ARGS_APPEND']}"
+        for host, slots in hosts.items() if opts.says() else ():
             print(f"terascale: starting {len(slots)} processes on {host} with {argv[0]}", file=sys.stderr, flush=True)
-        return run_local(argv, env={**environ, **extra_env})
-    if len(hosts) == 1 and _is_local_host(next(iter(hosts))):
+        # pdsh: each host's shell writes the --save_pid file; mpirun and srun start every rank themselves.
+        return _run_here(opts, argv, {**environ, **extra_env}, pid_file=launcher != "pdsh")
+    if len(hosts) == 1 and _is_local_host(next(iter(hosts))) and not opts.force_multi:
         host, slots = next(iter(hosts.items()))
-        env = dict(environ)
-        if slots != list(range(pool[host])):
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
         _check_local_cores(opts, len(slots))
         argv = torchrun_args(dataclasses.replace(opts, nnodes=None), nproc_per_node=len(slots))
-        return run_local(argv, env=env)
+        return _run_here(opts, argv, _local_devices(environ, slots, pool[host]))
 
     if shutil.which("ssh") is None:
         raise ValueError(
             "ssh was not found on PATH; install an OpenSSH client, or start "
             "`terascale run --nnodes N --master_addr A ...` on every node by hand"
         )
-    exports = remote_exports(environ, load_env_files([Path.home(), cwd]))
+    exports = remote_exports(environ, load_env_files([Path.home(), cwd], env_file_names(environ)))
     commands = ssh_commands(
         opts,
         hosts,
@@ -540,6 +573,15 @@ def launch(
         cwd=cwd,
         rdzv_id=opts.rdzv_id or uuid.uuid4().hex[:16],
     )
-    for host, slots in hosts.items():
-        print(f"terascale: starting {len(slots)} processes on {host}", file=sys.stderr, flush=True)
+    for (host, slots), command in zip(hosts.items(), commands):
+        if opts.says():
+            print(f"terascale: starting {len(slots)} processes on {host}", file=sys.stderr, flush=True)
+        if opts.says("debug"):
+            print(f"terascale: {shlex.join(command)}", file=sys.stderr, flush=True)
     return run_remote(list(zip(hosts, commands)))
+
+
+if __name__ == "__main__":  # python -m deepspeed.launcher.runner: DeepSpeed's command line on terascale run
+    from terascale.launcher.deepspeed_cli import script_main
+
+    raise SystemExit(script_main())

@@ -19,9 +19,13 @@ set (under ``--launcher mpi`` or ``slurm``, the launcher's own variables, read b
   arguments, as DeepSpeed's launcher does (scripts written for it parse the flag);
 - sets ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` in the environment, as torchrun does, where
   mpirun or srun started the rank;
+- with ``--rank_log PREFIX`` (DeepSpeed's ``--enable_each_rank_log``) points its stdout and
+  stderr at ``PREFIX_rank<global rank>.log``, making the folder, as DeepSpeed's launcher names
+  the files;
 
-and replaces itself (``exec``) with ``python -u SCRIPT ...`` (``-m`` for a module): the
-script runs as torchrun would have run it, in the same process, which torchrun watches.
+and replaces itself (``exec``) with ``python -u SCRIPT ...`` (``-m`` for a module; SCRIPT
+itself, found on PATH, with ``--no_python``): the script runs as torchrun would have run it,
+in the same process, which torchrun watches; the redirected output carries over too.
 The affinity carries over ``exec``; this module imports neither torch nor anything that
 starts threads, so ``OMP_NUM_THREADS`` is in place before any OpenMP runtime reads it.
 """
@@ -33,7 +37,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from terascale.comm.discovery import local_placement  # imports no torch (see terascale.comm)
+from terascale.comm.discovery import local_placement, started_by  # imports no torch (see terascale.comm)
 from terascale.launcher.cores import bind_cores
 
 __all__ = ["main"]
@@ -46,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bind_cores_to_rank", action="store_true", help="pin to this rank's share of the cores")
     p.add_argument("--bind_core_list", default=None, help="the cores to share out (default: every physical core)")
     p.add_argument("--module", action="store_true", help="SCRIPT is a module name")
+    p.add_argument("--no_python", action="store_true", help="run SCRIPT as an executable")
+    p.add_argument("--rank_log", default=None, help="write this rank's output to RANK_LOG_rank<N>.log")
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     return p
@@ -74,13 +80,32 @@ def main(argv: Sequence[str] | None = None) -> None:
     os.environ["LOCAL_RANK"] = str(local_rank)
     if local_world_size is not None:
         os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
-    command = [sys.executable, "-u", *(["-m"] if args.module else []), args.script]
+    python = [] if args.no_python else [sys.executable, "-u", *(["-m"] if args.module else [])]
+    command = [*python, args.script]
     if args.local_rank_arg:
         command.append(f"--local_rank={local_rank}")
     command += args.script_args
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, command)
+    if args.rank_log is not None:
+        _redirect_output(args.rank_log)
+    if not args.no_python:
+        os.execv(sys.executable, command)
+    try:
+        os.execvp(args.script, command)
+    except OSError as exc:
+        raise SystemExit(f"terascale run: error: --no_python: cannot run {args.script}: {exc.strerror}") from None
+
+
+def _redirect_output(prefix: str) -> None:
+    """Point fds 1 and 2 at ``PREFIX_rank<global rank>.log`` (exec keeps them)."""
+    started = None if "RANK" in os.environ else started_by(os.environ)
+    rank = os.environ.get("RANK", "0") if started is None else str(started.rank)
+    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
+    fd = os.open(f"{prefix}_rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,10 @@ class PipelineEngine(Engine):
 
     # -- batches --------------------------------------------------------------------------------
 
+    def reset_activation_shape(self) -> None:
+        """DeepSpeed's call for batches whose activation shapes change: nothing to reset here,
+        since stages renegotiate shapes whenever they change ([Note: shape negotiation])."""
+
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
         """Train on one global batch: ``gradient_accumulation_steps`` micro-batches from
         ``data_iter`` (``(inputs, labels)`` pairs; default: the ``training_data`` loader)

@@ -44,6 +44,7 @@ from terascale.offload.aio import AioOptions, AsyncIO
 from terascale.offload.probe import aio_options
 from terascale.offload.swap import SwapDirectory, round_up
 from terascale.zero.gather import owner_of, register_owner, unregister
+from terascale.zero.param_attributes import Partition, ZeroParamStatus, expose, withdraw
 from terascale.zero.host import map_large_allocations, return_freed_host_memory
 
 
@@ -53,6 +54,8 @@ class _Slice:
     shard: torch.Tensor  # this rank's elements of the flattened, padded parameter (empty on NVMe)
     offset: int | None = None  # where the elements are in the NVMe slice file
     shard_numel: int = 0
+    index: int = 0  # the parameter's number in partition order (``param.ds_id``)
+    gathered: bool = False  # full inside GatheredParameters (``param.ds_status``)
 
 
 class _NvmeSlices:
@@ -137,6 +140,7 @@ class Init:
         self.dtype = dtype or (cfg.compute_dtype if cfg is not None else None)
         self._group = data_parallel_group
         self._slices: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> _Slice
+        self._next_index = 0
         # A full tensor handed out by ``param.data`` (or a view of one) -> (param, the full tensor).
         self._views: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._hook = None
@@ -181,7 +185,9 @@ class Init:
             self._partition(param, full.contiguous())
 
     @torch.no_grad()
-    def _partition(self, param: nn.Parameter, full: torch.Tensor, offset: int | None = None) -> None:
+    def _partition(
+        self, param: nn.Parameter, full: torch.Tensor, offset: int | None = None, index: int | None = None
+    ) -> None:
         """Take rank 0's ``full`` value of ``param``; keep this rank's slice (on the remote
         device; at ``offset`` of the slice file when repartitioning); empty the param."""
         if self.world > 1:
@@ -192,13 +198,16 @@ class Init:
         home = full.device if self.remote_device == "none" else torch.device("cpu")
         shard = torch.zeros(per_rank, dtype=full.dtype, device=home)
         shard[: hi - lo].copy_(full.reshape(-1)[lo:hi])
-        piece = _Slice(full.shape, shard, shard_numel=per_rank)
+        if index is None:
+            index, self._next_index = self._next_index, self._next_index + 1
+        piece = _Slice(full.shape, shard, shard_numel=per_rank, index=index)
         if self._nvme is not None:
             piece.offset = self._nvme.store(shard, offset)
             piece.shard = torch.empty(0, dtype=full.dtype)
         self._slices[param] = piece
         param.data = torch.empty(0, dtype=full.dtype, device=full.device)
         register_owner([param], self)
+        expose([param])  # [Note: ZeRO-3 parameter attributes]
         del full, shard
         if home.type == "cpu":
             return_freed_host_memory()
@@ -219,15 +228,23 @@ class Init:
     def _repartition(self, param: nn.Parameter, full: torch.Tensor) -> None:
         old = self._slices.pop(param, None)
         unregister([param])
-        self._partition(param, full, None if old is None else old.offset)
+        self._partition(param, full, None if old is None else old.offset, None if old is None else old.index)
 
     def shape_of(self, param: nn.Parameter) -> torch.Size:
         return self._slices[param].shape
+
+    def zero3_partition(self, param: nn.Parameter) -> Partition:
+        """``param.ds_*`` ([Note: ZeRO-3 parameter attributes]): the slice kept here."""
+        piece = self._slices[param]
+        held = max(0, min(piece.shard_numel, math.prod(piece.shape) - self.rank * piece.shard_numel))
+        status = ZeroParamStatus.AVAILABLE if piece.gathered else ZeroParamStatus.NOT_AVAILABLE
+        return Partition(piece.shape, status, piece.shard[: min(held, piece.shard.numel())], piece.index)
 
     def release_ownership(self, param: nn.Parameter) -> None:
         """Forget ``param`` (an engine now owns its storage)."""
         piece = self._slices.pop(param, None)
         unregister([param])
+        withdraw([param])  # the engine exposes them again at stage 3
         if piece is not None and piece.offset is not None:
             self._nvme.forget()
 
@@ -237,6 +254,7 @@ class Init:
         with torch._C.DisableTorchFunction():
             for p in params:
                 p.data = self.full_value(p)
+                self._slices[p].gathered = True
         return None
 
     def release(self, params: list[nn.Parameter], token: object, modifier_rank: int | None) -> None:

@@ -145,6 +145,9 @@ class ParamSchedule:
         self._fetch = fetch
         self._dynamic = [not fg.persistent for fg in self.groups]
         self._has_frozen = [any(k < 0 for k in plan.opt_group) for plan in plans]
+        # Without a trainable parameter (a forward-only engine: no optimizer) no backward
+        # will run: every forward is treated as one under no_grad, its groups freed after it.
+        self._trains = any(k >= 0 for plan in plans for k in plan.opt_group)
         self._group_of = {id(p): g for g, fg in enumerate(self.groups) if self._dynamic[g] for p in fg.params}
         by_module: dict[int, _Unit] = {id(module): _Unit(module, [], root=True)}
         for g, plan in enumerate(plans):
@@ -154,6 +157,7 @@ class ParamSchedule:
         self._unit_of = _innermost_units(module, {id(u.module): k for k, u in enumerate(self._units)})
         self._frames: list[_Frame] = []
         self._held: dict[int, int] = {}  # group -> frames holding it
+        self._pinned: dict[int, int] = {}  # group -> GatheredParameters contexts holding it ([Note: pinned groups])
         self.trace: list[int] = []
         self._events: list[int] = []
         self._cursor = 0
@@ -187,7 +191,7 @@ class ParamSchedule:
             for g in frame.held:
                 self._use(g)
             frozen = [g for g in frame.held if self._has_frozen[g]]
-            if frozen and torch.is_grad_enabled():
+            if frozen and self._grad_enabled():
                 inputs = _grad_tensors((args, kwargs))
                 if inputs:  # the module's backward is done once its inputs have gradients
                     torch.autograd.graph.register_multi_grad_hook(
@@ -203,7 +207,7 @@ class ParamSchedule:
             frame = self._pop(u)
             if frame is None:
                 return  # the pre-hook did not run (an error before it)
-            training = torch.is_grad_enabled()
+            training = self._grad_enabled()
             if training and unit.uses():
                 tensors = _grad_tensors(output)
                 if tensors:
@@ -215,7 +219,9 @@ class ParamSchedule:
             escaped = self._escaping(frame.held, output)
             self._hand_to_enclosing(escaped)
             for g in frame.held:
-                if g in escaped or self._held.get(g) or (training and (unit.root or self._reused_soon(g))):
+                if g in escaped or self._held.get(g) or self._pinned.get(g) or (
+                    training and (unit.root or self._reused_soon(g))
+                ):
                     continue  # still held by an enclosing forward, or kept for what follows
                 if self.groups[g].state is ShardState.UNSHARDED:
                     self.groups[g].reshard(keep_memory=self._gather_of_size_ahead(g))
@@ -278,7 +284,7 @@ class ParamSchedule:
     def _on_read(self, param: nn.Parameter) -> None:
         """A ``module.name`` read of ``param`` (see [Note: parameters read outside their owner])."""
         g = self._group_of.get(id(param))
-        if g is None or (g in self._held and self.groups[g].state is ShardState.UNSHARDED):
+        if g is None or ((g in self._held or g in self._pinned) and self.groups[g].state is ShardState.UNSHARDED):
             return
         if not self._frames:
             return  # outside a forward: no collective
@@ -304,6 +310,33 @@ class ParamSchedule:
         if u is not None:
             self._units[u].explicit.pop((id(module), id(param)), None)
 
+    def pin(self, groups: Sequence[int]) -> None:
+        """Keep ``groups`` (gathered by a ``GatheredParameters``) full until :meth:`unpin`.
+
+        [Note: pinned groups]
+        Inside ``GatheredParameters`` the model may run (TRL generates under
+        ``GatheredParameters(model.parameters())``): its hooks then find the groups full and
+        must not free them after a forward or at the end of backward, or the context's
+        parameters would be empty before it exits. Pinned groups count as held by the
+        context; the context frees the ones it gathered when it exits, unless a running
+        forward still holds them (its post-forward frees them then)."""
+        for g in groups:
+            self._pinned[g] = self._pinned.get(g, 0) + 1
+
+    def unpin(self, groups: Sequence[int]) -> None:
+        for g in groups:
+            self._pinned[g] -= 1
+            if not self._pinned[g]:
+                del self._pinned[g]
+
+    def in_use(self, g: int) -> bool:
+        """Whether a running forward or a ``GatheredParameters`` holds group ``g``."""
+        return bool(self._held.get(g) or self._pinned.get(g))
+
+    def modules_holding(self, g: int) -> set[int]:
+        """``id()`` of the modules whose running forward holds group ``g`` (``param.ds_active_sub_modules``)."""
+        return {id(self._units[f.unit].module) for f in self._frames if g in f.held}
+
     def on_grads_done(self, g: int) -> None:
         """Every trainable parameter of group ``g`` has its gradient: free it (a group with
         frozen parameters is freed after its module's backward instead)."""
@@ -325,7 +358,7 @@ class ParamSchedule:
 
     def _use(self, g: int) -> None:
         # Backward runs with grad mode off; it is still part of the training iteration.
-        recording = torch.is_grad_enabled() or self._in_backward()
+        recording = self._grad_enabled() or self._in_backward()
         if recording:
             self._events.append(g)
             if self._following:
@@ -340,6 +373,10 @@ class ParamSchedule:
         fg.wait()
         if recording and self._following:
             self._prefetch()
+
+    def _grad_enabled(self) -> bool:
+        """Whether a backward may follow this forward."""
+        return self._trains and torch.is_grad_enabled()
 
     @staticmethod
     def _in_backward() -> bool:
@@ -391,6 +428,8 @@ class ParamSchedule:
         return False
 
     def _free(self, g: int) -> None:
+        if self._pinned.get(g):
+            return  # [Note: pinned groups]
         fg = self.groups[g]
         fg.wait()
         if fg.state is ShardState.UNSHARDED:

@@ -38,6 +38,7 @@ from terascale.offload.swap import SwapDirectory
 from terascale.optim.lamb import Lamb
 from terascale.zero.flat_group import FlatParamGroup, FullBuffers, ShardState, keeps_full_buffers
 from terascale.zero.gather import owner_of, register_owner, unregister
+from terascale.zero.param_attributes import ParameterOffload, Partition, expose, group_partition, withdraw
 from terascale.zero.early_step import EarlyStep
 from terascale.zero.grads import GradPolicy, QuantizedReduce, ShardedGrads
 from terascale.zero.host import (
@@ -161,6 +162,8 @@ class ShardedState:
                 if release is not None:
                     release(p)
             register_owner(fg.params, self)
+            if options.stage == 3:  # [Note: ZeRO-3 parameter attributes]
+                expose(fg.params)
             self.groups.append(fg)
             if self.params is not None:
                 self.params.add(fg, offload=not fg.persistent)
@@ -170,6 +173,7 @@ class ShardedState:
             sizes = [fg.full_nbytes for fg in self.groups if not fg.persistent]
             self.full_buffers.max_idle_bytes = max(sizes, default=0)
         self._group_of = {id(p): g for g, fg in enumerate(self.groups) for p in fg.params}
+        self._param_index = {id(p): k for k, p in enumerate(p for fg in self.groups for p in fg.params)}
         # Trainable parameters numbered in module order, the same on every rank: the rows of
         # the per-parameter norms of [Note: optimizers on shards].
         trainable = [p for p in module.parameters() if id(p) in opt_group_of]
@@ -201,6 +205,8 @@ class ShardedState:
         if nvme and device.type == "cpu" and self._nvme_states_nbytes() < BOUNDED_HOST_MIN_NVME_BYTES:
             reuse_large_allocations()  # [Note: host memory with an NVMe tier]
         self.early: EarlyStep | None = None  # see step_in_backward
+        # DeepSpeed's optimizer.parameter_offload ([Note: the parameter coordinator TRL reads]).
+        self.parameter_offload = ParameterOffload(module) if options.stage == 3 else None
         # Steps after which freed host pages go back to the OS (doubling): see step().
         self._steps, self._next_trim = 0, 1 if nvme else 0
 
@@ -604,6 +610,12 @@ class ShardedState:
         if self.full_buffers is not None:
             self.full_buffers.clear()
 
+    def zero3_partition(self, param: nn.Parameter) -> Partition:
+        """``param.ds_*`` at stage 3 ([Note: ZeRO-3 parameter attributes])."""
+        g = self._group_of[id(param)]
+        active = set() if self.schedule is None else self.schedule.modules_holding(g)
+        return group_partition(self.groups[g], param, self._param_index[id(param)], active)
+
     def group_of(self, param: nn.Parameter) -> FlatParamGroup | None:
         g = self._group_of.get(id(param))
         return None if g is None else self.groups[g]
@@ -663,6 +675,8 @@ class ShardedState:
         for g in groups:
             self.groups[g].unshard(exact=True)  # the caller may write the full values back
             self.groups[g].wait()
+        if self.schedule is not None:
+            self.schedule.pin(groups)  # a forward inside frees none of them ([Note: pinned groups])
         return groups, was_sharded, saved
 
     @torch.no_grad()
@@ -683,8 +697,11 @@ class ShardedState:
                 elif fg.persistent:
                     fg.shard.copy_(saved[g])  # discard local changes
                     fg.regather()
+        if self.schedule is not None:
+            self.schedule.unpin(groups)
         for g in was_sharded:
-            self.groups[g].reshard()
+            if self.schedule is None or not self.schedule.in_use(g):
+                self.groups[g].reshard()
 
     def _masters_resident(self, write_back: bool):
         return contextlib.nullcontext() if self.swapper is None else self.swapper.resident(write_back)
@@ -718,6 +735,7 @@ class ShardedState:
             if self.swap_io is not None:
                 self.swap_io.close()
         unregister([p for fg in self.groups for p in fg.params])
+        withdraw([p for fg in self.groups for p in fg.params])
         if self.schedule is not None:
             self.schedule.remove_hooks()
 

@@ -24,6 +24,7 @@ record = {
     "marker": os.environ.get("TS_TEST_MARKER"),
     "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     "fake_host": os.environ.get("FAKE_SSH_HOST"),
+    "as_deepspeed": os.environ.get("TERASCALE_AS_DEEPSPEED"),
 }
 tmp = out_dir / f".rank{rank}.json.tmp"
 tmp.write_text(json.dumps(record))

@@ -9,8 +9,11 @@ on: CUDA when it is available, else the CPU; ``TERASCALE_DEVICE`` (or DeepSpeed'
 resident set (what DeepSpeed's CPU accelerator reports too), streams are torch's CPU
 stubs and events are host timers, so timing code written for CUDA runs unchanged.
 
-What only DeepSpeed's compiled ops need (``get_op_builder``, ``create_op_builder``,
-``build_extension``) is refused by name: terascale builds no C++/CUDA extension.
+``get_op_builder(name)`` / ``create_op_builder(name)`` give DeepSpeed's builder classes as
+terascale answers them (:mod:`terascale.integrations.deepspeed.op_builders`: compatible
+where terascale runs the op in torch or its own modules); what only building extensions
+needs (``build_extension``, ``op_builder_dir``) is refused by name: terascale builds no
+C++/CUDA extension.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ _NO_COMPILED_OPS = (
     "get_accelerator().{name}: terascale builds no C++/CUDA ops (DeepSpeed's op builders); "
     "its optimizers and I/O engine are plain PyTorch and Python (terascale.optim, terascale.offload.AsyncIO)"
 )
-_REFUSED = {"get_op_builder", "create_op_builder", "build_extension", "op_builder_dir"}
+_REFUSED = {"build_extension", "op_builder_dir"}
 
 
 class _HostEvent:
@@ -105,7 +108,12 @@ class Accelerator:
         return f"cuda:{torch.cuda.current_device()}" if self._cuda else "cpu"
 
     def device_count(self) -> int:
-        return torch.cuda.device_count() if self._cuda else 1
+        """CUDA devices; on the CPU, as DeepSpeed's CPU accelerator counts: one "device" per
+        local rank (``LOCAL_SIZE``, which launchers set), else 1."""
+        if self._cuda:
+            return torch.cuda.device_count()
+        local = os.environ.get("LOCAL_SIZE", "")
+        return int(local) if local.isdigit() and int(local) > 0 else 1
 
     def is_available(self) -> bool:
         return torch.cuda.is_available() if self._cuda else True
@@ -319,6 +327,16 @@ class Accelerator:
         if self._cuda:
             graph.replay()
 
+    def get_op_builder(self, class_name: str) -> Any:
+        """DeepSpeed's builder class ``class_name`` (``"AsyncIOBuilder"``), None when there is none."""
+        from terascale.integrations.deepspeed import op_builders
+
+        return getattr(op_builders, class_name, None) if class_name in op_builders.BUILDERS else None
+
+    def create_op_builder(self, class_name: str) -> Any:
+        builder = self.get_op_builder(class_name)
+        return None if builder is None else builder()
+
     def get_compile_backend(self) -> str:
         """The backend ``engine.compile()`` uses when given none (torch's default, inductor)."""
         return self.__dict__.get("_compile_backend", "inductor")
@@ -338,8 +356,21 @@ def get_accelerator() -> Accelerator:
 
 
 def set_accelerator(accelerator: Accelerator) -> None:
-    """DeepSpeed lets a program install its own accelerator; terascale's follows the device."""
-    raise ValueError("set_accelerator: terascale's accelerator follows TERASCALE_DEVICE (cpu or cuda)")
+    """DeepSpeed lets a program install its own accelerator; terascale's follows the device,
+    so only the accelerator of that device is accepted (installing it changes nothing)."""
+    if not isinstance(accelerator, Accelerator) or accelerator._name != _device_type():
+        raise ValueError(f"set_accelerator({accelerator!r}): terascale's accelerator follows TERASCALE_DEVICE "
+                         f"(now {_device_type()!r}); set that variable to change it")
+
+
+def CPU_Accelerator() -> Accelerator:  # noqa: N802 - DeepSpeed's class name
+    """DeepSpeed's CPU accelerator class: the accelerator of device ``cpu``."""
+    return _accelerators("cpu")
+
+
+def CUDA_Accelerator() -> Accelerator:  # noqa: N802 - DeepSpeed's class name
+    """DeepSpeed's CUDA accelerator class: the accelerator of device ``cuda``."""
+    return _accelerators("cuda")
 
 
 def is_current_accelerator_supported() -> bool:

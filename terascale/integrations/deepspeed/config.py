@@ -41,6 +41,9 @@ class DeepSpeedConfig:
         self.scheduler_name = None if self.config.scheduler is None else self.config.scheduler.type
         self.scheduler_params = None if self.config.scheduler is None else dict(self.config.scheduler.params)
         self.sparse_attention = None  # refused by the config when present: never configured here
+        from terascale.integrations.deepspeed.monitor import DeepSpeedMonitorConfig
+
+        self.monitor_config = DeepSpeedMonitorConfig(self.config)
         if self.config.auto_keys:  # an integration fills these at initialize
             self.train_batch_size = self.train_micro_batch_size_per_gpu = self.gradient_accumulation_steps = None
         else:

@@ -188,11 +188,8 @@ def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
     _write(engine, name, {MASTER, PARAM}, _check_value(shape, value), None)
 
 
-def safe_set_full_optimizer_state(param: nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
-    """Set the whole optimizer state ``optim_state_key`` of ``param`` (it must exist: the
-    optimizer creates its state at its first step)."""
-    engine, name, shape = _find(param)
-    flat = _check_value(shape, value)
+def _optim_keys(engine: Engine, optim_state_key: str) -> dict[str, OptimKey]:
+    """The optimizer state keys every rank's masters have (collective over data parallelism)."""
     held = _state_slices(engine, SliceMode.SAVE)
     mine = {s.key.removeprefix(OPTIM): OptimKey(t.dtype, t.dim() == 0) for s, t in held if s.key.startswith(OPTIM)}
     every: list[dict[str, OptimKey] | None] = [mine]
@@ -206,10 +203,85 @@ def safe_set_full_optimizer_state(param: nn.Parameter, value: torch.Tensor, opti
             f"the optimizer has no state {optim_state_key!r} (it has {sorted(keys) or 'none yet'}): "
             "optimizer state exists after the first engine.step()"
         )
+    return keys
+
+
+def safe_set_full_optimizer_state(param: nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
+    """Set the whole optimizer state ``optim_state_key`` of ``param`` (it must exist: the
+    optimizer creates its state at its first step)."""
+    engine, name, shape = _find(param)
+    flat = _check_value(shape, value)
+    keys = _optim_keys(engine, optim_state_key)
     _write(engine, name, {OPTIM + optim_state_key}, flat, keys)
 
 
+def _local_to_full(engine: Engine, name: str, keys: Iterable[str], shape: torch.Size, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (this rank's elements of ``name``, in the order the local getters give them)
+    placed at their positions in a flat tensor of the whole parameter; the rest is never read:
+    the writes fill the spans this rank holds, the same spans."""
+    keys = set(keys)
+    spans = sorted({(s.start, s.end) for s, t in _state_slices(engine, SliceMode.HELD)
+                    if s.name == name and s.key in keys and t.dim() > 0})  # fmt: skip
+    local = value.detach().reshape(-1)
+    held = sum(end - start for start, end in spans)
+    if local.numel() != held:
+        raise ValueError(f"local value of {local.numel()} elements; this rank holds {held} of {name}")
+    full = torch.zeros(math.prod(shape), dtype=local.dtype, device=local.device)
+    offset = 0
+    for start, end in spans:
+        full[start:end] = local[offset : offset + end - start]
+        offset += end - start
+    return full
+
+
+def safe_set_local_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Set this rank's elements of ``param``'s fp32 value (as :func:`safe_get_local_fp32_param`
+    gives them). Not collective."""
+    engine, name, shape = _find(param)
+    _write(engine, name, {MASTER, PARAM}, _local_to_full(engine, name, (MASTER, PARAM), shape, value), None)
+
+
+def safe_set_local_optimizer_state(param: nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
+    """Set this rank's elements of the optimizer state ``optim_state_key`` of ``param``."""
+    engine, name, shape = _find(param)
+    keys = _optim_keys(engine, optim_state_key)
+    key = OPTIM + optim_state_key
+    _write(engine, name, {key}, _local_to_full(engine, name, (key,), shape, value), keys)
+
+
+@torch.no_grad()
+def _write_grad(engine: Engine, name: str, flat: torch.Tensor, local: bool) -> None:
+    # The window's gradient spans are views of the reduced gradients this rank holds; they
+    # carry the loss scale, which the getters divide out, so the setters multiply it in.
+    offset = 0
+    spans = sorted(((s, t) for s, t in _grad_slices(engine, SliceMode.HELD) if s.name == name and s.key == GRAD),
+                   key=lambda st: st[0].start)  # fmt: skip
+    if not spans:
+        raise ValueError(f"{name} has no gradient in this window (frozen, or unused by the loss)")
+    for span, t in spans:
+        n = span.end - span.start
+        part = flat[offset : offset + n] if local else flat[span.start : span.end]
+        t.copy_(part.to(t.device, t.dtype) * engine.loss_scaler.scale)
+        offset += n
+    if local and offset != flat.numel():
+        raise ValueError(f"local gradient of {flat.numel()} elements; this rank holds {offset} of {name}")
+
+
+def safe_set_full_grad(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Set the whole reduced gradient of ``param`` for the coming ``engine.step()`` (after the
+    window's last backward). Collective in DeepSpeed; here each rank writes its own part."""
+    engine, name, shape = _find(param)
+    _write_grad(engine, name, _check_value(shape, value), local=False)
+
+
+def safe_set_local_grad(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Set this rank's part of ``param``'s gradient (as :func:`safe_get_local_grad` returns it)."""
+    engine, name, _ = _find(param)
+    _write_grad(engine, name, value.detach().reshape(-1), local=True)
+
+
 __all__ = [
+    "safe_set_full_grad", "safe_set_local_grad", "safe_set_local_fp32_param", "safe_set_local_optimizer_state",
     "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state", "safe_get_local_fp32_param",
     "safe_get_local_grad", "safe_get_local_optimizer_state", "safe_set_full_fp32_param",
     "safe_set_full_optimizer_state",

@@ -89,6 +89,12 @@ class _Root(types.ModuleType):
 
         return sorted({*super().__dir__(), *dir(terascale)})
 
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        # Pickled by name, as a plain module is: cloudpickle (Ray sends a training function
+        # with its globals so) looks modules up by their exact type, and would otherwise try
+        # to pickle this one's contents.
+        return importlib.import_module, (self.__name__,)
+
 
 class _Alias(importlib.abc.Loader):
     def __init__(self, target: str) -> None:
@@ -170,5 +176,7 @@ def uninstall() -> None:
 
 
 def _startup() -> None:
-    """What ``terascale-standin.pth`` runs when the switch is on."""
-    install()
+    """What ``terascale-standin.pth`` runs when the variable is set to anything but ``0``: the
+    .pth's one test is the cheapest; :func:`enabled` has the last word ("false", "off", ...)."""
+    if enabled():
+        install()

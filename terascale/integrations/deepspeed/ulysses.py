@@ -157,3 +157,74 @@ class UlyssesSPDataLoaderAdapter:
         # Copies: with several rows a slice is not contiguous, and the model's loss views the
         # labels flat.
         return {k: v.contiguous().to(self.device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+
+
+# -- DeepSpeed's tiled compute (ALST's TiledMLP and tiled loss) over terascale's tiles -----------------
+
+
+def _trainable(owner: Any, compute_params: Any) -> list[torch.Tensor]:
+    # Every tensor the function reads that needs a gradient: the owning module's parameters
+    # (DeepSpeed's compute_params are only those whose ZeRO hooks it holds back).
+    if isinstance(owner, torch.nn.Module):
+        return [p for p in owner.parameters() if p.requires_grad]
+    return [p for p in (compute_params or []) if p.requires_grad]
+
+
+class TiledMLP:
+    """``TiledMLP.apply(fn, self, x, shards, compute_params)``: ``fn(self, x)`` (a position-wise
+    MLP) on ``shards`` tiles of ``x``'s sequence (dim 1), one tile's intermediates alive at a
+    time in forward and backward (:func:`terascale.activation.tiled.tiled`)."""
+
+    @staticmethod
+    def apply(fn: Any, self: Any, x: torch.Tensor, shards: int, compute_params: Any = None) -> torch.Tensor:
+        from terascale.activation.tiled import tiled
+
+        return tiled(lambda t: fn(self, t), x, params=_trainable(self, compute_params), tiles=shards, dim=1)
+
+
+def sequence_tiled_compute(fn: Any, seqlen: int, shards: int, kwargs_to_shard: dict[str, torch.Tensor],
+                           kwargs_to_pass: dict[str, Any], grad_requiring_tensor_key: str, compute_params: Any = None,
+                           output_unshard_dimension: int = 1, output_reduction: str | None = "mean") -> torch.Tensor:  # fmt: skip
+    """``fn(**kwargs_to_pass, **shards_of(kwargs_to_shard))`` over ``shards`` tiles of the
+    sequence (dim 1 of every tensor in ``kwargs_to_shard``); the outputs concatenated along
+    ``output_unshard_dimension``, then reduced by ``output_reduction`` (None, "mean", "sum")."""
+    from terascale.activation.tiled import tiled
+
+    if output_reduction not in (None, "mean", "sum"):
+        raise ValueError(f"unknown output_reduction {output_reduction!r}: valid values are None, 'mean', 'sum'")
+    x = kwargs_to_shard[grad_requiring_tensor_key]
+    if x.shape[1] != seqlen:
+        raise ValueError(f"seqlen {seqlen} but {grad_requiring_tensor_key} has {x.shape[1]} positions")
+    others = [k for k in kwargs_to_shard if k != grad_requiring_tensor_key]
+
+    def run(xt: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
+        return fn(**kwargs_to_pass, **{grad_requiring_tensor_key: xt}, **dict(zip(others, extra)))
+
+    owner = kwargs_to_pass.get("self")
+    out = tiled(run, x, params=_trainable(owner, compute_params), tiles=shards, dim=output_unshard_dimension,
+                extra=[kwargs_to_shard[k] for k in others])  # fmt: skip
+    if output_reduction is None:
+        return out
+    return out.mean() if output_reduction == "mean" else out.sum()
+
+
+class TiledFusedLogitsLoss:
+    """``TiledFusedLogitsLoss.apply(fn, self, x, y, mask, shards, compute_params, output_reduction)``:
+    ``fn(self, x_tile, y_tile[, mask_tile])`` (logits and loss) over ``shards`` tiles of the
+    flattened batch and sequence, the ``[tokens, vocab]`` logits alive for one tile at a time;
+    the tiles' losses summed ("sum") or averaged over the tiles ("mean"), as DeepSpeed's."""
+
+    @staticmethod
+    def apply(fn: Any, self: Any, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None, shards: int,
+              compute_params: Any = None, output_reduction: str = "mean") -> torch.Tensor:  # fmt: skip
+        from terascale.activation.tiled import tiled
+
+        if output_reduction not in ("mean", "sum"):
+            raise ValueError(f"unknown reduction {output_reduction!r}: valid values are 'mean', 'sum'")
+        if mask is not None and (mask.dim() != 2 or mask.shape != x.shape[:2]):
+            raise ValueError("mask must be [batch_size, seq_len], matching x and y")
+        flat_x = x.reshape(-1, *x.shape[2:])
+        extra = [y.reshape(-1, *y.shape[2:])] + ([mask.reshape(-1)] if mask is not None else [])
+        total = tiled(lambda xt, *et: fn(self, xt, *et), flat_x, params=_trainable(self, compute_params),
+                      tiles=shards, dim=0, extra=extra, total=True)  # fmt: skip
+        return total / shards if output_reduction == "mean" else total

@@ -98,6 +98,29 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") 
     return item
 
 
+# DeepSpeed's zero.Init replaces torch's tensor constructors with wrappers made by this
+# function, and tools that must keep a dtype (transformers' RoPE buffers) swap the wrapper
+# for their own around it. terascale's Init replaces no constructor, so it never calls
+# this: the tools' swap is harmless, and the function does what its name says for
+# anyone who calls it. ``_orig_torch_arange`` is torch's own, as nothing replaced it.
+_orig_torch_arange = torch.arange
+
+
+def zero_wrapper_for_fp_tensor_constructor(
+    fn: Callable[..., torch.Tensor], target_fp_dtype: torch.dtype, target_device: Any = None
+) -> Callable[..., torch.Tensor]:
+    """``fn`` (a tensor constructor) creating on ``target_device`` unless told otherwise,
+    with a floating-point result cast to ``target_fp_dtype``."""
+
+    def wrapped(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") is None and target_device is not None:
+            kwargs["device"] = target_device
+        tensor = fn(*args, **kwargs)
+        return tensor.to(target_fp_dtype) if tensor.is_floating_point() else tensor
+
+    return wrapped
+
+
 class OnDevice:
     """Within the block, tensors (and so modules) are created on ``device`` (``"meta"``:
     nowhere) and floating ones in ``dtype``; ``enabled=False`` does nothing."""
