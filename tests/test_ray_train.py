@@ -3,8 +3,8 @@ as Ray's DeepSpeed guide writes it (tests/scripts/ray_deepspeed.py), run by ``To
 2 CPU workers on a local Ray cluster (Ray forms the gloo process group; terascale joins it),
 gives the same losses, ZeRO-3, as the same function under ``terascale run --nproc 2``.
 
-Slow (~90 s on 2 cores, most of it Ray's start-up) and needs ``ray[train]`` (``make test-all``
-installs the ``ray`` extra).
+Slow (90-140 s on 2 busy cores, most of it Ray's start-up); skipped where ``ray[train]`` is not
+installed (~200 MB: not in the ``test`` extra).
 """
 
 from __future__ import annotations

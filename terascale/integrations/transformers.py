@@ -15,10 +15,11 @@ DeepSpeed integration and accelerate's, and trains as this module's Trainer does
 (tests/test_hf_native.py holds both to the plain Trainer). This module is the other way,
 for where the switch cannot be on (a real DeepSpeed installed in the same environment, or a
 script that must not depend on how it is launched) and for what transformers' DeepSpeed
-code does not reach on terascale: AutoTP (it calls ``deepspeed.tp_model_init``), terascale's
-own sequence parallelism from ``TrainingArguments.parallelism_config``, evaluation before
-training, and the planner's ``"auto"`` stage and offload (resolved here with the Trainer's
-values, ``[Note: the planner at initialize]``).
+code does not reach on terascale: AutoTP (it calls ``deepspeed.tp_model_init``, which
+terascale refuses: the config's ``autotp_size`` slices the model at initialize), sequence
+parallelism from ``TrainingArguments.parallelism_config`` (there accelerate runs DeepSpeed's
+Ulysses data adapter, which needs ``position_ids`` in every batch; here the engine splits
+the batch itself, [Note: sequence parallelism under the Trainer]).
 
 [Note: the Trainer on an engine]
 The Trainer keeps its own loop (data, logging, callbacks, evaluation, checkpoint folders);
@@ -239,7 +240,8 @@ class TerascaleTrainerMixin:
         if getattr(self, "is_deepspeed_enabled", False):
             raise ValueError(
                 "these TrainingArguments set up DeepSpeed itself (transformers.TrainingArguments(deepspeed=...)); "
-                "use terascale.integrations.transformers.TrainingArguments, or pass the config as config= only"
+                "use terascale.integrations.transformers.TrainingArguments, or pass the config as config= only "
+                "(or, with terascale standing in for DeepSpeed, train with transformers.Trainer itself)"
             )
         self.terascale_config = _with_trainer_sequence_parallel(Config.load(source), self.args)
         self._model_dtypes = {n: p.dtype for n, p in self.model.state_dict().items()}

@@ -34,6 +34,9 @@ TRAIN_BATCH_SIZE, TRAIN_MICRO_BATCH_SIZE_PER_GPU = "train_batch_size", "train_mi
 GRADIENT_ACCUMULATION_STEPS = "gradient_accumulation_steps"
 STEPS_PER_PRINT, STEPS_PER_PRINT_DEFAULT = "steps_per_print", 10
 ZERO_OPTIMIZATION = "zero_optimization"
+# deepspeed.runtime.swap_tensor: the smallest tensor DeepSpeed swaps to NVMe (1 MiB); programs
+# size test tensors by it.
+MIN_SWAPPABLE_BYTES = 1024**2
 
 
 def get_gradient_clipping(param_dict: dict[str, Any]) -> float:

@@ -51,7 +51,7 @@ _ACCELERATOR = {
 _SAFE = ("safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state", "safe_get_local_fp32_param",
          "safe_get_local_grad", "safe_get_local_optimizer_state", "safe_set_full_fp32_param",
          "safe_set_full_optimizer_state", "safe_set_full_grad", "safe_set_local_grad", "safe_set_local_fp32_param",
-         "safe_set_local_optimizer_state")  # fmt: skip
+         "safe_set_local_optimizer_state", "safe_update_full_grad_vectorized")  # fmt: skip
 _LEAF = ("set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module")
 _ZERO = {
     "Init": "terascale.zero:Init",
@@ -228,6 +228,7 @@ MODULES: dict[str, dict[str, str] | str] = {
         ("tensorboard", "TensorBoardMonitor"), ("wandb", "WandbMonitor"), ("csv_monitor", "csvMonitor"),
         ("config", "DeepSpeedMonitorConfig"), ("monitor", "MonitorMaster"), ("comet", "CometMonitor"))},
     "utils.timer": {"trim_mean": f"{_DS}.constants:trim_mean"},
+    "runtime.swap_tensor": {"MIN_SWAPPABLE_BYTES": f"{_DS}.constants:MIN_SWAPPABLE_BYTES"},
     "utils.numa": {n: f"{_DS}.constants:{n}" for n in ("parse_range", "parse_range_list")},
 }
 

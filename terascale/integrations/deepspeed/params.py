@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -280,8 +280,19 @@ def safe_set_local_grad(param: nn.Parameter, value: torch.Tensor) -> None:
     _write_grad(engine, name, value.detach().reshape(-1), local=True)
 
 
+def safe_update_full_grad_vectorized(param_list: list[nn.Parameter], update_func: Callable) -> None:
+    """Replace each parameter's full gradient ``g`` by ``update_func(g, param)`` (collective,
+    as :func:`safe_get_full_grad`); parameters without a gradient this window are skipped."""
+    for p in param_list:
+        if not p.requires_grad:
+            continue
+        old = safe_get_full_grad(p)
+        if old is not None:
+            safe_set_full_grad(p, update_func(old, p))
+
+
 __all__ = [
-    "safe_set_full_grad", "safe_set_local_grad", "safe_set_local_fp32_param", "safe_set_local_optimizer_state",
+    "safe_update_full_grad_vectorized", "safe_set_full_grad", "safe_set_local_grad", "safe_set_local_fp32_param", "safe_set_local_optimizer_state",
     "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state", "safe_get_local_fp32_param",
     "safe_get_local_grad", "safe_get_local_optimizer_state", "safe_set_full_fp32_param",
     "safe_set_full_optimizer_state",
