@@ -15,6 +15,7 @@ import pathlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch.distributed
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -47,6 +48,7 @@ def initialize(
     args: argparse.Namespace | None = None,
     config_params: dict | None = None,
     wrap_policy: WrapPolicy | None = None,
+    dist_init_required: bool | None = None,
 ) -> tuple[Engine, Any, DataLoader | None, Any]:
     """Build the engine for ``model`` from a DeepSpeed-compatible config.
 
@@ -61,7 +63,12 @@ def initialize(
     ``args.deepspeed_config`` (see :func:`terascale.add_config_arguments`).
     ``wrap_policy`` chooses the parameter groups of ZeRO stages 1-3 (default: the
     repeated blocks of the model, see :class:`terascale.zero.WrapPolicy`).
+    ``dist_init_required=False`` (DeepSpeed's argument) requires a process group to exist
+    already instead of creating one.
     """
+    if dist_init_required is False and not torch.distributed.is_initialized():
+        raise ValueError("initialize(dist_init_required=False): torch.distributed is not initialized; "
+                         "initialize it first or pass dist_init_required=True")  # fmt: skip
     source = config if config is not None else config_params
     if source is None and args is not None:
         source = getattr(args, "config", None) or getattr(args, "deepspeed_config", None)

@@ -34,7 +34,8 @@ CONFIG_FILE = {
     "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                           "stage3_gather_16bit_weights_on_model_save": True},
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "betas": [0.9, 0.999], "eps": 1e-8}},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "betas": [0.9, 0.999],
+                                              "eps": 1e-8}},
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
                                                  "warmup_num_steps": "auto", "warmup_type": "linear"}},
 }  # fmt: skip

@@ -128,7 +128,8 @@ def _attributes_rank(ckpt: str) -> dict:
     offload = engine.optimizer.parameter_offload
     with GatheredParameters(engine.module.parameters()):
         r["inside"] = {p.ds_status for p in named.values()}
-        for _, p in itertools.chain(offload.module.named_parameters(recurse=True), offload.module.ds_external_parameters()):
+        module = offload.module
+        for _, p in itertools.chain(module.named_parameters(recurse=True), module.ds_external_parameters()):
             p.ds_active_sub_modules.clear()
         for hook in [*offload.forward_hooks, *offload.backward_hooks]:
             hook.remove()

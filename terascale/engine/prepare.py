@@ -129,7 +129,9 @@ def prepare_model(
             )
         tile_linears(module, int(config.zero_optimization.tile_linear_above))
     # A forward-only engine (no optimizer) trains nothing: no masters, gradients or optimizer state.
-    param_groups = [] if forward_only(config, optimizer) else user_param_groups(module, optimizer, model_parameters, sliced)
+    param_groups = (
+        [] if forward_only(config, optimizer) else user_param_groups(module, optimizer, model_parameters, sliced)
+    )
     if isinstance(optimizer, torch.optim.Optimizer):  # the user's groups stand: DeepSpeed's rule for them
         check_expert_param_groups(param_groups, experts, config.zero_optimization.stage)
     else:

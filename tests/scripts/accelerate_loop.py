@@ -37,7 +37,8 @@ def runs(config_file: str) -> dict[str, dict[str, str] | None]:
     flags = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_GRADIENT_CLIPPING": "0", "ACCELERATE_CONFIG_DS_FIELDS": ""}
     return {
         "zero2": None,
-        "zero3": {**flags, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "true"},
+        "zero3": {**flags, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+                  "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "true"},
         "zero3_file": {**flags, "ACCELERATE_DEEPSPEED_CONFIG_FILE": config_file},
         # accelerate's multi-process CPU training is its MULTI_CPU type (a GPU machine: MULTI_GPU).
         "ddp": {} if torch.cuda.is_available() else {"ACCELERATE_USE_CPU": "true"},

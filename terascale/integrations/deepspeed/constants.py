@@ -28,11 +28,13 @@ WARMUP_TYPE, WARMUP_LOG_RATE, WARMUP_LINEAR_RATE = "warmup_type", "log", "linear
 WARMUP_MIN_RATIO, COS_MIN_RATIO = "warmup_min_ratio", "cos_min_ratio"
 TOTAL_NUM_STEPS = "total_num_steps"
 
-# deepspeed.runtime.constants (the defaults terascale's config has too).
-GRADIENT_CLIPPING, GRADIENT_CLIPPING_DEFAULT = "gradient_clipping", 0.0
+# deepspeed.runtime.constants: DeepSpeed 0.19's keys and defaults. [Note: gradient clipping
+# default] DeepSpeed 0.19 clips at 1.0 when gradient_clipping is absent; terascale's config
+# default is 0.0 (no clipping), so these constants describe DeepSpeed, not terascale's config.
+GRADIENT_CLIPPING, GRADIENT_CLIPPING_DEFAULT = "gradient_clipping", 1.0
 TRAIN_BATCH_SIZE, TRAIN_MICRO_BATCH_SIZE_PER_GPU = "train_batch_size", "train_micro_batch_size_per_gpu"
 GRADIENT_ACCUMULATION_STEPS = "gradient_accumulation_steps"
-STEPS_PER_PRINT, STEPS_PER_PRINT_DEFAULT = "steps_per_print", 10
+STEPS_PER_PRINT, STEPS_PER_PRINT_DEFAULT = "steps_per_print", None
 ZERO_OPTIMIZATION = "zero_optimization"
 # deepspeed.runtime.swap_tensor: the smallest tensor DeepSpeed swaps to NVMe (1 MiB); programs
 # size test tensors by it.
@@ -40,7 +42,7 @@ MIN_SWAPPABLE_BYTES = 1024**2
 
 
 def get_gradient_clipping(param_dict: dict[str, Any]) -> float:
-    """``gradient_clipping`` of a config dict, 0.0 (off) when absent."""
+    """``gradient_clipping`` of a config dict; DeepSpeed's default (1.0) when absent."""
     return param_dict.get(GRADIENT_CLIPPING, GRADIENT_CLIPPING_DEFAULT)
 
 

@@ -299,8 +299,8 @@ REFUSED: dict[str, tuple[str, str]] = {
                                   "DeepSpeed's per-node launcher"),
     "launcher.multinode_runner": ("design", "terascale run builds the pdsh/mpirun/srun commands itself "
                                             "(terascale.launcher.backends); there are no runner classes"),
-    "param.": ("design", "terascale attaches nothing to parameters (DESIGN.md, groups of flat shards): code that "
-                         "checks hasattr(p, 'ds_id') takes its path for ordinary parameters"),
+    "param.": ("design", "terascale's ZeRO-3 parameters answer DeepSpeed's ds_* attributes "
+                         "(terascale.zero.param_attributes.ZeroParameter); this one is not among them"),
 }
 
 for _base in ("get_accelerator", "accelerator.get_accelerator", "accelerator.real_accelerator.get_accelerator"):
@@ -417,7 +417,12 @@ def resolve(name: str) -> Any:
                 return getattr(cls, attr)
         raise AttributeError(f"the engine has no attribute {attr!r}")
     if name.startswith("param."):
-        raise AttributeError(f"{name}: {REFUSED['param.'][1]}")
+        from terascale.zero.param_attributes import ZeroParameter
+
+        attr = name.removeprefix("param.")
+        if attr not in vars(ZeroParameter):
+            raise AttributeError(f"{name}: {REFUSED['param.'][1]}")
+        return getattr(ZeroParameter, attr)
     head, call, rest = name.partition("().")
     obj = _walk(head.removeprefix("deepspeed").lstrip(".").split("."))
     if call:
@@ -461,6 +466,8 @@ def status_of(name: str) -> tuple[str, str]:
 
 
 def _describe(name: str, obj: Any) -> str:
+    if name.startswith("param."):
+        return f"terascale.zero.param_attributes.ZeroParameter.{name.removeprefix('param.')} (ZeRO-3 parameters)"
     if name.startswith("engine."):
         attr = name.removeprefix("engine.")
         if attr in ENGINE_INSTANCE_ATTRIBUTES:

@@ -7,7 +7,7 @@ builder is *compatible* exactly when terascale has the op's function, and ``load
 returns what terascale has of the op's module interface:
 
 - ``async_io``: ``aio_handle``, DeepSpeed's file I/O handle over :class:`terascale.offload.AsyncIO`;
-- ``utils``: ``flatten`` / ``unflatten`` of tensor lists;
+- ``utils``: ``flatten`` / ``unflatten`` of tensor lists, ``cast_to_byte_tensor``;
 - ``cpu_adam``, ``fused_adam``, ``fused_lamb``, ``cpu_adagrad``, ``cpu_lion``: compatible (the optimizer
   classes of ``deepspeed.ops`` run in torch); their kernel modules do not exist, and
   ``load()`` says so;
@@ -196,11 +196,21 @@ class AsyncIOBuilder(OpBuilder):
         return SimpleNamespace(aio_handle=aio_handle)
 
 
+def cast_to_byte_tensor(tensors: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+    """Each contiguous tensor's bytes as a flat ``uint8`` view of the same memory."""
+    if isinstance(tensors, (list, tuple)):
+        return [cast_to_byte_tensor(t) for t in tensors]
+    if not tensors.is_contiguous():
+        raise ValueError("cast_to_byte_tensor needs a contiguous tensor (its bytes viewed in place)")
+    return tensors.reshape(-1).view(torch.uint8)
+
+
 class UtilsBuilder(OpBuilder):
     NAME = "utils"
 
     def _loader(self) -> Any:
-        return SimpleNamespace(flatten=_flatten_dense_tensors, unflatten=_unflatten_dense_tensors)
+        return SimpleNamespace(flatten=_flatten_dense_tensors, unflatten=_unflatten_dense_tensors,
+                               cast_to_byte_tensor=cast_to_byte_tensor)  # fmt: skip
 
 
 def _torch_op(cls_name: str, op: str) -> type[OpBuilder]:

@@ -6,7 +6,6 @@ has one way of doing (the sequence-parallel group queries, ZeRO-3 parameter stat
 
 from __future__ import annotations
 
-import enum
 import logging
 import random
 from collections.abc import Callable, Iterable
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from terascale.integrations.deepspeed.accelerator import get_accelerator
+from terascale.zero.param_attributes import ZeroParamStatus  # noqa: F401  (what param.ds_status answers)
 
 logger = logging.getLogger("terascale")  # DeepSpeed's ``logger``: terascale's own
 
@@ -145,16 +145,6 @@ class OnDevice:
                 torch.set_default_dtype(self._saved)
                 self._saved = None
             self.device.__exit__(*exc)
-
-
-class ZeroParamStatus(enum.Enum):
-    """DeepSpeed's ZeRO-3 parameter status. terascale attaches no status to parameters
-    (``param.ds_status`` does not exist; code that checks ``hasattr(p, "ds_id")`` takes its
-    path for ordinary parameters, which is right: terascale's parameters keep their shape)."""
-
-    AVAILABLE = 1
-    NOT_AVAILABLE = 2
-    INFLIGHT = 3
 
 
 # DeepSpeed's process-wide group queries, answered from the live engine (the one engine of
