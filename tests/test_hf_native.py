@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
+from test_hf_trainer import _args as _suite_args
 from test_hf_trainer import AUTO_CONFIG, Tokens, _assert_same_training, _history, _on_cpu, tiny_llama
 
 transformers = pytest.importorskip("transformers")
@@ -44,13 +45,7 @@ CASES = {"zero2": _zero(2), "zero3": _zero(3, offload_optimizer=CPU, stage3_gath
 
 
 def _args(out: str, **kw):
-    base = dict(
-        output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=4, num_train_epochs=2,
-        learning_rate=3e-3, warmup_steps=2, max_grad_norm=0.5, logging_steps=1, report_to=[], use_cpu=_on_cpu(),
-        save_strategy="no", seed=0, disable_tqdm=True,
-    )  # fmt: skip
-    base.update(kw)
-    return transformers.TrainingArguments(**base)
+    return _suite_args(out, transformers.TrainingArguments, **kw)
 
 
 def _lora(model):

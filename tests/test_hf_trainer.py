@@ -72,8 +72,10 @@ AUTO_CONFIG = {
 }
 
 
-def _args(out: str, **kw):
-    from terascale.integrations.transformers import TrainingArguments
+def _args(out: str, args_class=None, **kw):
+    """The suite's TrainingArguments (terascale's subclass unless ``args_class`` says otherwise)."""
+    if args_class is None:
+        from terascale.integrations.transformers import TrainingArguments as args_class
 
     base = dict(
         output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=4, num_train_epochs=2,
@@ -81,7 +83,7 @@ def _args(out: str, **kw):
         save_strategy="no", seed=0, disable_tqdm=True,
     )  # fmt: skip
     base.update(kw)
-    return TrainingArguments(**base)
+    return args_class(**base)
 
 
 def _history(trainer) -> list[tuple[float, float, float]]:

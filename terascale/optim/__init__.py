@@ -10,6 +10,7 @@ from terascale.optim.factory import (
     state_bytes_per_element,
 )
 from terascale.optim.lamb import Lamb
+from terascale.optim.lion import Lion
 from terascale.optim.onebit import OneBitAdam, ReducesOwnGradients
 from terascale.optim.onebit_lamb import OneBitLamb
 from terascale.optim.zoadam import ZeroOneAdam
@@ -23,6 +24,7 @@ __all__ = [
     "LRRangeTest",
     "LRSchedule",
     "Lamb",
+    "Lion",
     "OneBitAdam",
     "OneBitLamb",
     "OneCycle",

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from terascale.optim import Lamb
+from terascale.optim.lion import Lion
 from terascale.optim.factory import build_optimizer
 
 FusedLamb = Lamb
@@ -73,40 +74,6 @@ def DeepSpeedCPUAdagrad(  # noqa: N802 - DeepSpeed's name
     if amsgrad:
         raise ValueError("DeepSpeedCPUAdagrad(amsgrad=True): Adagrad has no AMSGrad variant")
     return torch.optim.Adagrad(model_params, lr=lr, eps=eps, weight_decay=weight_decay, foreach=True)
-
-
-class Lion(torch.optim.Optimizer):
-    """Lion (Chen et al., 2023): ``p -= lr * (sign(b1 * m + (1 - b1) * g) + wd * p)``, then
-    ``m = b2 * m + (1 - b2) * g``. Elementwise, so it steps ZeRO shards as it steps whole
-    tensors; one state tensor (``exp_avg``) per parameter."""
-
-    def __init__(self, params: Iterable[Any], lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
-                 weight_decay: float = 0.0) -> None:  # fmt: skip
-        if lr < 0:
-            raise ValueError(f"Lion: lr must be >= 0, got {lr}")
-        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"Lion: betas must lie in [0, 1), got {betas}")
-        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                m = state["exp_avg"]
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(torch.sign(m * beta1 + p.grad * (1 - beta1)), alpha=-group["lr"])
-                m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
-        return loss
 
 
 def DeepSpeedCPULion(  # noqa: N802 - DeepSpeed's name

@@ -57,7 +57,13 @@ class SparsityConfig:
         return layout
 
     def make_layout(self, seq_len: int) -> torch.Tensor:
-        return self.setup_layout(seq_len)
+        layout = self.setup_layout(seq_len)
+        for h in range(self.num_layout_heads):
+            self.set_head_layout(h, layout)
+        return self.check_and_propagate_first_head_layout(layout)
+
+    def set_head_layout(self, h: int, layout: torch.Tensor) -> None:
+        """Set head ``h``'s blocks in ``layout`` (each layout its own parts, in DeepSpeed's order)."""
 
 
 class DenseSparsityConfig(SparsityConfig):
@@ -120,12 +126,9 @@ class FixedSparsityConfig(SparsityConfig):
             self._set_global_block(h, layout, start, start + self.num_global_blocks)
         return layout
 
-    def make_layout(self, seq_len: int) -> torch.Tensor:
-        layout = self.setup_layout(seq_len)
-        for h in range(self.num_layout_heads):
-            self.set_local_layout(h, layout)
-            self.set_global_layout(h, layout)
-        return self.check_and_propagate_first_head_layout(layout)
+    def set_head_layout(self, h: int, layout: torch.Tensor) -> None:
+        self.set_local_layout(h, layout)
+        self.set_global_layout(h, layout)
 
 
 def _random_blocks(h: int, layout: torch.Tensor, count: int, unidirectional: bool) -> None:
@@ -209,13 +212,10 @@ class VariableSparsityConfig(SparsityConfig):
             layout[h, first_row:, start:end] = 1
         return layout
 
-    def make_layout(self, seq_len: int) -> torch.Tensor:
-        layout = self.setup_layout(seq_len)
-        for h in range(self.num_layout_heads):
-            self.set_random_layout(h, layout)
-            self.set_local_layout(h, layout)
-            self.set_global_layout(h, layout)
-        return self.check_and_propagate_first_head_layout(layout)
+    def set_head_layout(self, h: int, layout: torch.Tensor) -> None:
+        self.set_random_layout(h, layout)
+        self.set_local_layout(h, layout)
+        self.set_global_layout(h, layout)
 
 
 class BigBirdSparsityConfig(SparsityConfig):
@@ -250,13 +250,10 @@ class BigBirdSparsityConfig(SparsityConfig):
             layout[h] = torch.tril(layout[h])
         return layout
 
-    def make_layout(self, seq_len: int) -> torch.Tensor:
-        layout = self.setup_layout(seq_len)
-        for h in range(self.num_layout_heads):
-            self.set_random_layout(h, layout)
-            self.set_sliding_window_layout(h, layout)
-            self.set_global_layout_itc(h, layout)
-        return self.check_and_propagate_first_head_layout(layout)
+    def set_head_layout(self, h: int, layout: torch.Tensor) -> None:
+        self.set_random_layout(h, layout)
+        self.set_sliding_window_layout(h, layout)
+        self.set_global_layout_itc(h, layout)
 
 
 class BSLongformerSparsityConfig(SparsityConfig):
@@ -289,12 +286,9 @@ class BSLongformerSparsityConfig(SparsityConfig):
             layout[h] = torch.tril(layout[h])
         return layout
 
-    def make_layout(self, seq_len: int) -> torch.Tensor:
-        layout = self.setup_layout(seq_len)
-        for h in range(self.num_layout_heads):
-            self.set_sliding_window_layout(h, layout)
-            self.set_global_layout(h, layout)
-        return self.check_and_propagate_first_head_layout(layout)
+    def set_head_layout(self, h: int, layout: torch.Tensor) -> None:
+        self.set_sliding_window_layout(h, layout)
+        self.set_global_layout(h, layout)
 
 
 class LocalSlidingWindowSparsityConfig(SparsityConfig):
@@ -310,11 +304,8 @@ class LocalSlidingWindowSparsityConfig(SparsityConfig):
         _sliding_window(h, layout, self.num_sliding_window_blocks, self.attention == "unidirectional")
         return layout
 
-    def make_layout(self, seq_len: int) -> torch.Tensor:
-        layout = self.setup_layout(seq_len)
-        for h in range(self.num_layout_heads):
-            self.set_sliding_window_layout(h, layout)
-        return self.check_and_propagate_first_head_layout(layout)
+    def set_head_layout(self, h: int, layout: torch.Tensor) -> None:
+        self.set_sliding_window_layout(h, layout)
 
 
 class SparseSelfAttention(nn.Module):
