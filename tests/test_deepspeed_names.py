@@ -79,17 +79,46 @@ def test_weighted_coverage() -> None:
     assert missing / total <= MAX_MISSING, missing / total
 
 
-def test_refused_names_say_why() -> None:
+def test_refused_names_import_and_say_why_when_used() -> None:
+    """[Note: refused when used, not when imported]: DeepSpeed's own functions and classes
+    import; using one that terascale does not provide raises the reason."""
     import terascale as deepspeed
+    from terascale.integrations.deepspeed.unprovided import NotProvidedError
 
-    with pytest.raises(AttributeError, match="inference kernels .* not built"):
-        deepspeed.replace_transformer_layer  # noqa: B018
+    with pytest.raises(NotProvidedError, match="inference kernels .* not built"):
+        deepspeed.replace_transformer_layer(None, None)
     assert deepspeed.moe.layer.MoE is not None  # read as an attribute, as DeepSpeed's CIFAR example does
-    assert not hasattr(deepspeed.moe, "mappings")  # probes keep working
-    with pytest.raises(ModuleNotFoundError, match="expert tensor parallelism"):
-        from terascale.moe.mappings import gather_tokens  # noqa: F401
+    assert not hasattr(deepspeed, "no_such_name") and not hasattr(deepspeed.moe, "no_such_module")
+    from terascale.moe.mappings import gather_tokens
+
+    with pytest.raises(NotProvidedError, match="expert tensor parallelism"):
+        gather_tokens(None)
+    # A module of older DeepSpeed releases (0.19.8 has no compression.compress) fails at the
+    # import, with the reason.
     with pytest.raises(ModuleNotFoundError, match="compression .* not built"):
         from terascale.compression.compress import init_compression  # noqa: F401
+    # A class: isinstance is False (a program's other branch), instantiating refuses, and
+    # hasattr on it stays a probe.
+    from terascale.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    assert not isinstance(object(), DeepSpeedZeroOptimizer) and not hasattr(DeepSpeedZeroOptimizer, "step")
+    with pytest.raises(NotProvidedError, match="ZeRO optimizer wrapper classes"):
+        DeepSpeedZeroOptimizer(None)
+    with pytest.raises(NotProvidedError, match="ZeRO optimizer wrapper classes"):
+        type("Mine", (DeepSpeedZeroOptimizer,), {})()
+    from terascale.utils.nvtx import instrument_w_nvtx  # a DeepSpeed helper with no counterpart
+
+    with pytest.raises(NotProvidedError, match="no terascale counterpart"):
+        instrument_w_nvtx(print)
+    # A name a DeepSpeed module imports from another is that one's: terascale's where provided.
+    from terascale.runtime.zero.partition_parameters import get_accelerator as reexported
+
+    assert reexported is deepspeed.accelerator.get_accelerator
+    # Names DeepSpeed does not have fail at the import, as they would against DeepSpeed.
+    with pytest.raises(ImportError):
+        from terascale.runtime.zero.stage3 import NoSuchClass  # noqa: F401
+    with pytest.raises(ModuleNotFoundError):
+        import terascale.runtime.zero.no_such_module  # noqa: F401
     from terascale.accelerator import get_accelerator
     from terascale.ops.op_builder import GDSBuilder
 

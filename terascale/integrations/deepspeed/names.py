@@ -37,6 +37,8 @@ import sys
 import types
 from typing import Any
 
+from terascale.integrations.deepspeed import unprovided
+
 _DS = "terascale.integrations.deepspeed"
 _UTILS = f"{_DS}.utils"
 _PARAMS = f"{_DS}.params"
@@ -346,6 +348,18 @@ def attribute(path: str, name: str) -> Any:
         return importlib.import_module(f"terascale.{path}.{name}" if path else f"terascale.{name}")
     full = f"{path}.{name}" if path else name
     hit = refusal(full)
+    # [Note: refused when used, not when imported] (unprovided.py)
+    origin = unprovided.taken_from(path, name)
+    if origin is not None:  # DeepSpeed's module imports it from another: answer as that one does
+        module, _, attr = origin.partition(":")
+        sub = f"{module}.{attr}" if module else attr
+        if unprovided.has_module(sub) and not unprovided.defines(module, attr):
+            return importlib.import_module(f"terascale.{sub}")
+        return getattr(importlib.import_module(f"terascale.{module}" if module else "terascale"), attr)
+    if unprovided.defines(path, name):
+        return unprovided.stand_in(path, name, hit[1] if hit else None)
+    if unprovided.has_module(full):
+        return importlib.import_module(f"terascale.{full}")
     where = f"terascale.{path}" if path else "terascale"
     if hit is not None:
         raise AttributeError(f"deepspeed.{full}: {hit[1]}")
@@ -362,7 +376,7 @@ class _Loader(importlib.abc.Loader):
         return None
 
     def exec_module(self, module: types.ModuleType) -> None:
-        entry = MODULES[self.path]
+        entry = MODULES.get(self.path, {})  # {}: a DeepSpeed module terascale provides nothing of
         if isinstance(entry, str):
             # Another name of a real module: the import system returns sys.modules[name].
             sys.modules[module.__name__] = importlib.import_module(entry)
@@ -370,12 +384,12 @@ class _Loader(importlib.abc.Loader):
         path = self.path
         module.__doc__ = f"DeepSpeed's deepspeed.{path} on terascale (terascale.integrations.deepspeed.names)."
         module.__getattr__ = lambda name: attribute(path, name)  # type: ignore[method-assign]
-        module.__dir__ = lambda: sorted({*entry, *_children(path)})  # type: ignore[method-assign]
+        module.__dir__ = lambda: sorted({*entry, *_children(path), *unprovided.names(path)})  # type: ignore[method-assign]
         module.__all__ = sorted(entry)
 
     def get_code(self, fullname: str) -> types.CodeType | None:
         """The code ``python -m`` runs: the aliased module's own (its ``__main__`` block)."""
-        entry = MODULES[self.path]
+        entry = MODULES.get(self.path, {})
         if isinstance(entry, str):
             spec = importlib.util.find_spec(entry)
             if spec is not None and spec.loader is not None and hasattr(spec.loader, "get_code"):
@@ -384,12 +398,15 @@ class _Loader(importlib.abc.Loader):
 
 
 def find_spec(fullname: str) -> importlib.machinery.ModuleSpec | None:
-    """The spec of ``terascale.<DeepSpeed path>`` when :data:`MODULES` has the path;
+    """The spec of ``terascale.<DeepSpeed path>`` when :data:`MODULES` has the path or
+    DeepSpeed has that module ([Note: refused when used, not when imported]);
     ModuleNotFoundError with the reason when the path is refused; else None."""
     path = fullname.removeprefix("terascale.")
     if path in MODULES:
-        is_package = bool(_children(path)) or not isinstance(MODULES[path], str)
+        is_package = bool(_children(path)) or not isinstance(MODULES[path], str) or unprovided.is_package(path)
         return importlib.util.spec_from_loader(fullname, _Loader(path), is_package=is_package)
+    if unprovided.has_module(path):
+        return importlib.util.spec_from_loader(fullname, _Loader(path), is_package=unprovided.is_package(path))
     hit = refusal(path)
     if hit is not None:
         raise ModuleNotFoundError(f"deepspeed.{path}: {hit[1]}", name=fullname)
@@ -457,12 +474,23 @@ def status_of(name: str) -> tuple[str, str]:
         return "refused", f"design: {REFUSED[path][1]}"
     try:
         obj = resolve(name)
-    except (AttributeError, ImportError) as err:
+        if _stands_in(obj):  # DeepSpeed's name, standing in to refuse when used
+            raise AttributeError(f"{name} is a stand-in")
+    except (AttributeError, ImportError, unprovided.NotProvidedError) as err:
         hit = refusal(path)
         if hit is not None:
             return "refused", f"{hit[0]}: {hit[1]}"
         return "missing", f"not provided ({type(err).__name__}: {err})"
     return "provided", _describe(name, obj)
+
+
+def _stands_in(obj: Any) -> bool:
+    """A stand-in function or class, or a module of DeepSpeed's that terascale serves only
+    with stand-ins ([Note: refused when used, not when imported])."""
+    if unprovided.is_stand_in(obj):
+        return True
+    loader = getattr(getattr(obj, "__spec__", None), "loader", None)
+    return isinstance(obj, types.ModuleType) and isinstance(loader, _Loader) and loader.path not in MODULES
 
 
 def _describe(name: str, obj: Any) -> str:
