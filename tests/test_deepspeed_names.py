@@ -564,3 +564,22 @@ def test_safe_get_full_on_cuda() -> None:
     for n, p in model.named_parameters():
         assert torch.equal(safe_get_full_fp32_param(p).cpu(), full[n]), n
         assert torch.allclose(safe_get_full_optimizer_state(p, "exp_avg").cpu(), 0.1 * ref[n], atol=1e-6), n
+
+
+def test_runtime_utils_partition_balanced_has_deepspeeds_signature_and_balance() -> None:
+    """deepspeed.runtime.utils.partition_balanced(weights=, num_parts=): the heaviest run as
+    light as it can be, then the lightest as heavy as it can be; more parts than weights
+    leaves the last ones empty."""
+    from terascale.runtime.utils import partition_balanced
+
+    def sums(weights: list[int], parts: int) -> list[int]:
+        bounds = partition_balanced(weights=weights, num_parts=parts)
+        assert len(bounds) == parts + 1 and bounds[0] == 0 and bounds[-1] == len(weights)
+        return [sum(weights[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+    assert sums([3, 1, 2], 5) == [3, 1, 2, 0, 0]
+    assert sums([2, 2, 2, 2, 2, 2], 3) == [4, 4, 4]
+    assert sorted(sums([2, 0, 2, 2, 0, 2, 2], 3)) == [2, 4, 4]
+    assert sorted(sums([1, 1, 0, 1, 1, 1], 4)) == [1, 1, 1, 2]  # not a lone weightless run: [.., 0, ..] sums 0
+    with pytest.raises(ValueError, match="num_parts"):
+        partition_balanced([1], 0)

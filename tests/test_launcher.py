@@ -907,6 +907,9 @@ def test_deepspeed_launcher_runner_names(tmp_path):
     assert (ns.user_script, ns.user_args, ns.nproc, ns.as_deepspeed) == ("t.py", ["--x"], 2, True)
     with pytest.raises(ValueError, match="--nproc cannot be combined with --include"):
         dsrun.main(["--num_gpus", "1", "-i", "localhost", "foo.py"])
+    for flag in ("-i", "-e"):  # DeepSpeed refuses --num_nodes with a filter too (terascale's own run does not)
+        with pytest.raises(ValueError, match="--num_nodes cannot be combined with --include"):
+            dsrun.main(["--num_nodes", "1", flag, "localhost", "foo.py"])
 
 
 def test_python_m_deepspeed_launcher_runner_is_deepspeeds_command_line():

@@ -30,14 +30,14 @@ def partition_uniform(num_items: int, parts: int) -> list[int]:
     return bounds
 
 
-def _min_max_split(n: int, parts: int, cost: Callable[[int, int], float]) -> tuple[float, list[int]]:
+def min_max_split(n: int, parts: int, cost: Callable[[int, int], float]) -> tuple[float, list[int]]:
     """Split ``n`` items into ``parts`` non-empty runs minimising the largest
     ``cost(lo, hi)`` of a run (inf: not allowed); exact dynamic programming over split
     points, the later boundary winning ties. Returns (that cost, the boundaries)."""
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(parts + 1)]  # best[k][i]: first i items in k runs
     split = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0
+    best[0][0] = -inf  # no run yet: no floor under the costs (they may be negative)
     for k in range(1, parts + 1):
         for i in range(k, n - (parts - k) + 1):
             for j in range(k - 1, i):
@@ -59,9 +59,9 @@ def partition_balanced(weights: Sequence[int], parts: int) -> list[int]:
     prefix = [0]
     for w in weights:
         prefix.append(prefix[-1] + w)
-    heaviest, _ = _min_max_split(n, parts, lambda lo, hi: prefix[hi] - prefix[lo])
+    heaviest, _ = min_max_split(n, parts, lambda lo, hi: prefix[hi] - prefix[lo])
     inf = float("inf")
-    _, bounds = _min_max_split(n, parts, lambda lo, hi: hi - lo if prefix[hi] - prefix[lo] <= heaviest else inf)
+    _, bounds = min_max_split(n, parts, lambda lo, hi: hi - lo if prefix[hi] - prefix[lo] <= heaviest else inf)
     return bounds
 
 

@@ -244,7 +244,7 @@ _LR_CONSTANTS = ("LR_SCHEDULE", "LR_RANGE_TEST", "ONE_CYCLE", "WARMUP_LR", "WARM
 MODULES["runtime.lr_schedules"].update({n: f"{_DS}.constants:{n}" for n in _LR_CONSTANTS})
 MODULES["runtime.config"]["get_gradient_clipping"] = f"{_DS}.constants:get_gradient_clipping"
 MODULES["runtime.utils"].update({"partition_uniform": "terascale.pipe.partition:partition_uniform",
-                                 "partition_balanced": "terascale.pipe.partition:partition_balanced",
+                                 "partition_balanced": f"{_UTILS}:partition_balanced",
                                  "prefix_sum_inc": f"{_DS}.constants:prefix_sum_inc"})
 MODULES["utils"].update({n: f"{_DS}.versions:{n}" for n in ("set_log_level_from_string",
                                                              "get_log_level_from_string")})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -173,6 +173,29 @@ def _get_sequence_parallel_world_size() -> int:
 def _get_sequence_parallel_rank() -> int:
     engine = _sequence_engine()
     return 0 if engine is None else engine.dist.sp_rank
+
+
+def partition_balanced(weights: Sequence[float], num_parts: int, eps: float = 1e-3) -> list[int]:
+    """DeepSpeed's ``runtime.utils.partition_balanced``: ``num_parts + 1`` boundaries of
+    contiguous runs of ``weights`` whose heaviest run is as light as possible and, among
+    those, whose lightest is as heavy as possible; past ``len(weights)`` parts the last runs
+    are empty. (Pipeline stages use ``terascale.pipe.partition``'s, which spreads weightless
+    layers instead. ``eps``, of DeepSpeed's older signature, is unused.)"""
+    from terascale.pipe.partition import min_max_split
+
+    n = len(weights)
+    if num_parts < 1:
+        raise ValueError(f"partition_balanced: num_parts must be at least 1, got {num_parts}")
+    if num_parts > n:
+        return [*(partition_balanced(weights, n) if n else [0]), *([n] * (num_parts - n))]
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    heaviest, _ = min_max_split(n, num_parts, lambda lo, hi: prefix[hi] - prefix[lo])
+    # The lightest run as heavy as possible: the smallest largest negated sum, under the bound.
+    _, bounds = min_max_split(n, num_parts, lambda lo, hi: -(prefix[hi] - prefix[lo])
+                              if prefix[hi] - prefix[lo] <= heaviest else float("inf"))  # fmt: skip
+    return bounds
 
 
 def PipeModelDataParallelTopology(num_pp: int, num_mp: int, num_dp: int) -> Any:  # noqa: N802 - DeepSpeed's name
