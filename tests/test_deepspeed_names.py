@@ -442,6 +442,9 @@ def test_optimizer_classes_build_what_zero_steps() -> None:
     engine.backward(engine(x[0], y[0]))
     engine.step()
     assert engine.global_steps == 1
+    # isinstance asks for the algorithm, also of the handle initialize returned (DeepSpeed's tests check it).
+    assert isinstance(opt, FusedAdam) and isinstance(opt, DeepSpeedCPUAdam) and not isinstance(opt, DeepSpeedCPUAdagrad)
+    assert isinstance(torch.optim.Adagrad(params), DeepSpeedCPUAdagrad) and not isinstance(object(), FusedAdam)
 
 
 def test_deepspeed_config_and_utils(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
