@@ -25,7 +25,7 @@ from terascale.engine import Engine, prepare_model
 from terascale.engine.data import build_dataloader
 from terascale.engine.monitor import check_monitor_packages
 from terascale.engine.optimizer import OptimizerArg, SchedulerArg, check_optimizer_arguments
-from terascale.engine.optimizer_handle import OptimizerHandle
+from terascale.engine.optimizer_handle import optimizer_handle
 from terascale.engine.parallel import check_layout, model_parallel_unit
 from terascale.offload.policy import unpinned_keys
 from terascale.parallel.sequence.groups import with_sequence_parallel
@@ -122,7 +122,7 @@ def initialize(
                           training_dataloader=loader)  # fmt: skip
     # A handle whose step() updates the model, as DeepSpeed's optimizer wrappers do
     # ([Note: the optimizer initialize returns]).
-    handle = None if engine.optimizer is None else OptimizerHandle(engine)
+    handle = None if engine.optimizer is None else optimizer_handle(engine)
     return engine, handle, loader, engine.lr_scheduler
 
 

@@ -69,3 +69,27 @@ def test_stepping_the_returned_optimizer_trains_as_engine_step():
                 assert torch.equal(handle_step["state"][name], value), (stage, name)
             assert handle_step["handle"] == (True, True, True, False, True)
             assert len(set(engine_step["lrs"])) > 1  # the warm-up moved the rate
+
+
+def test_the_handle_is_the_program_s_optimizer_to_equality_and_isinstance(own_process_group):
+    """DeepSpeed hands a program back the optimizer it passed where it needs no wrapper: the
+    handle compares equal to it and is an instance of its class (and of a config-built one's)."""
+    import terascale
+
+    model = make_model()
+    mine = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine, handle, _, _ = terascale.initialize(model=model, optimizer=mine, config={"train_batch_size": 1})
+    assert handle == mine and mine == handle and handle != torch.optim.SGD(make_model().parameters(), lr=0.1)
+    assert isinstance(handle, torch.optim.SGD) and not isinstance(handle, torch.optim.Adam)
+    assert handle.param_groups is mine.param_groups and {handle: 1}[handle] == 1
+    x, y = make_data(1, 1)
+    engine.backward(engine(x[0], y[0]))
+    before = [p.detach().clone() for p in model.parameters()]
+    handle.step()  # the engine's step: the program's SGD updates the model
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    engine.destroy()
+    model = make_model()
+    engine, handle, _, _ = terascale.initialize(model=model, config={"train_batch_size": 1, "optimizer": {
+        "type": "AdamW", "params": {"lr": 1e-3}}})  # fmt: skip
+    assert isinstance(handle, torch.optim.AdamW) and handle == engine.optimizer
+    engine.destroy()

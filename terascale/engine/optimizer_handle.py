@@ -15,9 +15,20 @@ inside an accumulation window, whose gradients must stay: ``engine.zero_grad()``
 everything else (``param_groups``, ``state``, ``state_dict``, an optimizer's own methods) the
 engine optimizer's, which ``handle.optimizer`` (DeepSpeed's wrappers' name) and
 ``engine.optimizer`` are. A program that calls ``engine.step()`` never calls ``step()`` here.
+
+Programs check what they got back as they would the optimizer they passed: DeepSpeed returns
+that very object where it needs no wrapper, so ``returned == optimizer`` and
+``isinstance(returned, AdamW)`` must hold. :func:`optimizer_handle` makes the handle an
+instance of a subclass of both :class:`OptimizerHandle` and the engine optimizer's class
+(made once per class, as FSDP2's ``fully_shard`` makes ``FSDP<Module>``), and the handle
+compares equal to the engine optimizer. The handle's own methods come first in that class;
+the optimizer class's methods, found through it, read ``param_groups``/``state``/``defaults``,
+which are the engine optimizer's.
 """
 
 from __future__ import annotations
+
+import functools
 
 from typing import TYPE_CHECKING, Any
 
@@ -79,5 +90,23 @@ class OptimizerHandle(torch.optim.Optimizer):
             raise AttributeError(name)
         return getattr(self._engine.optimizer, name)
 
+    def __eq__(self, other: object) -> bool:
+        return other is self or other is self._engine.optimizer
+
+    __hash__ = object.__hash__
+
     def __repr__(self) -> str:
         return f"OptimizerHandle({type(self.optimizer).__name__})"
+
+
+@functools.cache
+def _handle_class(handle: type[OptimizerHandle], optimizer: type[torch.optim.Optimizer]) -> type[OptimizerHandle]:
+    if issubclass(handle, optimizer):
+        return handle
+    return type(f"{handle.__name__}[{optimizer.__name__}]", (handle, optimizer), {"__module__": handle.__module__})
+
+
+def optimizer_handle(engine: Engine, handle: type[OptimizerHandle] = OptimizerHandle) -> OptimizerHandle:
+    """``handle(engine)``, an instance of the engine optimizer's class too ([Note: the optimizer
+    initialize returns])."""
+    return _handle_class(handle, type(engine.optimizer))(engine)

@@ -55,6 +55,7 @@ from terascale.config import AutoContext, Config, Given
 from terascale.config.auto import PLANNED_KEYS
 from terascale.engine import Engine
 from terascale.entry import initialize
+from terascale.engine.optimizer_handle import optimizer_handle
 from terascale.integrations.optimizer import EngineOptimizer
 
 _TAG = "checkpoint"
@@ -182,7 +183,7 @@ class TerascaleStrategy(DDPStrategy):
             config = config.with_values(zero_allow_untested_optimizer=True)  # as Lightning's does
         self.engine, _, _, _ = initialize(model=module, optimizer=optimizer, config=config)
         self.model = self.engine
-        self.optimizers = [EngineOptimizer(self.engine)]
+        self.optimizers = [optimizer_handle(self.engine, EngineOptimizer)]
         self.lr_scheduler_configs = schedulers
 
     def _given(self, trainer: pl.Trainer) -> dict[str, Given]:

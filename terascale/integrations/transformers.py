@@ -62,6 +62,7 @@ from terascale.config import AutoContext, Config, Given
 from terascale.config.auto import PLANNED_KEYS
 from terascale.engine import Engine
 from terascale.entry import initialize
+from terascale.engine.optimizer_handle import optimizer_handle
 from terascale.integrations.optimizer import EngineOptimizer
 
 _SCHEDULER_FILE = "scheduler.pt"
@@ -315,7 +316,7 @@ class TerascaleTrainerMixin:
             config = config.with_values(zero_allow_untested_optimizer=True)
         engine, _, _, _ = initialize(model=self.model, optimizer=client, config=config)
         self.engine = engine
-        self.optimizer = EngineOptimizer(engine)
+        self.optimizer = optimizer_handle(engine, EngineOptimizer)
         self.model_wrapped = engine
 
     # -- saving and loading -------------------------------------------------------------------------
