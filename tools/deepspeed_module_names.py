@@ -2,13 +2,14 @@
 
     python tools/deepspeed_module_names.py PATH/TO/site-packages/deepspeed [--out FILE]
 
-Writes ``terascale/integrations/deepspeed/deepspeed_modules.json.gz``: for every module of the
-package (``runtime.zero.stage3``, ...), the public names it defines with ``def`` or ``class``,
-and those it takes from another DeepSpeed module (``from .x import Y``) with where they come
-from: names only, read from the syntax tree, never code or values. The names map serves each one that terascale does not
-provide as a stand-in that refuses when it is used ([Note: refused when used, not when
-imported] in ``names.py``). Module-level constants are left out on purpose: a stand-in for a
-value would compare unequal without a word, where a missing one fails at the import.
+Writes ``terascale/integrations/deepspeed/deepspeed_modules.json.gz``: for every module of
+the package (``runtime.zero.stage3``, ...), the names it defines with ``def`` or ``class``
+(private ones too), and those it takes from another DeepSpeed module (``from .x import Y``)
+with where they come from: names only, read from the syntax tree, never code or values. The
+names map serves each one that terascale does not provide as a stand-in that refuses when it
+is used ([Note: refused when used, not when imported] in ``unprovided.py``). Module-level
+constants are left out on purpose: a stand-in for a value would compare unequal without a
+word, where a missing one fails at the import.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def _origin(module: str, is_package: bool, node: ast.ImportFrom) -> str | None:
 
 
 def _names(module: str, is_package: bool, tree: ast.Module) -> tuple[set[str], dict[str, str]]:
-    """The public functions and classes a module defines, and the public names it takes
-    from other DeepSpeed modules (name -> ``origin.path:name``)."""
+    """The functions and classes a module defines, and the names it takes from other
+    DeepSpeed modules (name -> ``origin.path:name``)."""
     defined: set[str] = set()
     taken: dict[str, str] = {}
     for node in tree.body:
@@ -56,8 +57,10 @@ def _names(module: str, is_package: bool, tree: ast.Module) -> tuple[set[str], d
             for alias in node.names:
                 if alias.name != "*":
                     taken[alias.asname or alias.name] = f"{origin}:{alias.name}"
-    public = {n for n in defined if not n.startswith("_")}
-    return public, {n: o for n, o in taken.items() if not n.startswith("_") and n not in public}
+    # Private names too: a test or a tool that imports one for a path it never takes still
+    # loads (dunder names are the module machinery's).
+    own = {n for n in defined if not n.startswith("__")}
+    return own, {n: o for n, o in taken.items() if not n.startswith("__") and n not in own}
 
 
 def scan(root: Path) -> tuple[dict[str, list[str]], dict[str, dict[str, str]]]:

@@ -4,12 +4,12 @@
 Programs, tools and test suites import DeepSpeed's modules when they are imported
 themselves, often for one optional path they may never take: a class to test with
 ``isinstance``, a decorator, a type for a hint, a helper of one code path. So every module
-and every public function or class that DeepSpeed has (``deepspeed_modules.json.gz``, listed
-from DeepSpeed's package by ``tools/deepspeed_module_names.py``) imports on terascale. A
-name terascale provides is terascale's object (the names map, ``names.py``); any other is
-a stand-in class made here that raises :class:`NotProvidedError`, with the reason, when it
-is called or instantiated (a subclass of it too); reading an attribute of it raises
-AttributeError with the same reason.
+and every function or class (private ones too) that DeepSpeed has imports on terascale
+(``deepspeed_modules.json.gz``, listed from DeepSpeed's package by
+``tools/deepspeed_module_names.py``). A name terascale provides is terascale's object (the
+names map, ``names.py``); any other is a stand-in class made here that raises
+:class:`NotProvidedError`, with the reason, when it is called or instantiated (a subclass of
+it too); reading an attribute of it raises AttributeError with the same reason.
 ``isinstance(x, stand_in)`` is False, so ``isinstance(engine.optimizer,
 DeepSpeedZeroOptimizer)`` takes the branch a program has for other optimizers.
 
