@@ -8,6 +8,8 @@ and ``clip_grad_norm_``. Each step's loss and every parameter must match.
 
 from __future__ import annotations
 
+import copy
+
 import dataclasses
 import functools
 import logging
@@ -558,6 +560,18 @@ def _refusals() -> None:
     engine.set_gradient_accumulation_boundary(None)
     engine.train_batch(iter([mb[0] for mb in batch]))
     assert (engine.global_steps, engine.micro_steps) == (1, 2)
+    engine.destroy()
+    # Without a loss_fn, eval_batch averages the model's outputs over the micro-batches and
+    # every stage gets them (as DeepSpeed's).
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)]
+    reference = torch.nn.Sequential(*[copy.deepcopy(layer) for layer in layers])
+    model = PipelineModule(layers, topology=Topology(pp=2), partition_method="uniform")
+    engine, *_ = terascale.initialize(model=model, config={**config(case, 1), "gradient_accumulation_steps": 2})
+    inputs = [torch.randn(1, 8) for _ in range(2)]
+    outputs = engine.eval_batch(iter([(x, torch.zeros(1)) for x in inputs]))
+    expected = (reference(inputs[0]) + reference(inputs[1])) / 2
+    assert outputs.shape == (1, 3) and torch.allclose(outputs, expected, atol=1e-6), (outputs, expected)
     engine.destroy()
 
 

@@ -44,6 +44,8 @@ from terascale.engine.data import to_device
 from terascale.pipe.p2p import Partitioning, Payload, StageComm, float_tensors, handoff
 from terascale.pipe.schedule import Instr, Op, StageGrid, forward_only, last_backward, train_schedule
 
+_MAX_DIMS = 8  # of the outputs eval_batch averages when the model has no loss_fn (their shape is broadcast)
+
 
 class StageDriver(Protocol):
     """What the runner needs from the engine (see [Note: pipeline runner])."""
@@ -195,7 +197,7 @@ class PipelineRunner:
         run.compute_loss, run.keep_outputs = compute_loss, return_logits
         with torch.no_grad():
             self._execute(driver, run, micro_batches)
-            loss = self._mean_loss(run.losses, micro_batches) if compute_loss else None
+            loss = self._mean_loss(run.losses, micro_batches, scalar=False) if compute_loss else None
         logits = None
         if return_logits and run.outputs:
             logits = torch.cat(run.outputs) if all(isinstance(o, torch.Tensor) for o in run.outputs) else run.outputs
@@ -283,7 +285,9 @@ class PipelineRunner:
             if run.keep_outputs:
                 run.outputs.append(outputs)
             if run.compute_loss:
-                if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+                # Evaluating, a model without a loss_fn gives its outputs, averaged as the loss
+                # is (DeepSpeed's eval_batch does the same); training needs a scalar.
+                if not (isinstance(loss, torch.Tensor) and (loss.dim() == 0 or not run.training)):
                     raise ValueError(
                         "the pipeline's loss must be a scalar tensor: give PipelineModule a loss_fn(outputs, labels) "
                         "or make the last layer return the loss"
@@ -308,16 +312,26 @@ class PipelineRunner:
                 t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs
             ]
 
-    def _mean_loss(self, losses: list[torch.Tensor], micro_batches: int) -> torch.Tensor:
+    def _mean_loss(self, losses: list[torch.Tensor], micro_batches: int, scalar: bool = True) -> torch.Tensor:
         """The mean of the last stage's micro-batch losses, averaged over its data-parallel
-        replicas and broadcast from the last stage to every stage."""
+        replicas and broadcast from the last stage to every stage. ``scalar=False`` (evaluating):
+        the losses may be outputs of any one shape, averaged elementwise; the shape goes first."""
         out = torch.zeros((), dtype=torch.float32, device=self.device)
         if losses:
-            out = torch.stack([loss.float() for loss in losses]).sum() / micro_batches
+            out = torch.stack([loss.float() for loss in losses]).sum(0) / micro_batches
             if dist.get_world_size(self.dp_group) > 1:
                 ops.all_reduce(out, group=self.dp_group)
                 out /= dist.get_world_size(self.dp_group)
         if self.grid.stages > 1:
             src = dist.get_process_group_ranks(self.pp_group)[-1]
+            if not scalar:
+                shape = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64, device=self.device)
+                if losses:
+                    assert out.dim() <= _MAX_DIMS, out.shape
+                    shape[0] = out.dim()
+                    shape[1 : 1 + out.dim()] = torch.tensor(out.shape, dtype=torch.int64)
+                ops.broadcast(shape, src=src, group=self.pp_group)
+                if not losses:
+                    out = torch.zeros(shape[1 : 1 + int(shape[0])].tolist(), dtype=torch.float32, device=self.device)
             ops.broadcast(out, src=src, group=self.pp_group)
         return out
