@@ -66,6 +66,8 @@ def initialize(
     ``dist_init_required=False`` (DeepSpeed's argument) requires a process group to exist
     already instead of creating one.
     """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"terascale.initialize needs a model, a torch.nn.Module; got {type(model).__name__}")
     if dist_init_required is False and not torch.distributed.is_initialized():
         raise ValueError("initialize(dist_init_required=False): torch.distributed is not initialized; "
                          "initialize it first or pass dist_init_required=True")  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from distributed import run_ranks
@@ -93,3 +94,10 @@ def test_the_handle_is_the_program_s_optimizer_to_equality_and_isinstance(own_pr
         "type": "AdamW", "params": {"lr": 1e-3}}})  # fmt: skip
     assert isinstance(handle, torch.optim.AdamW) and handle == engine.optimizer
     engine.destroy()
+
+
+def test_initialize_without_a_model_says_so():
+    import terascale
+
+    with pytest.raises(ValueError, match="needs a model, a torch.nn.Module; got NoneType"):
+        terascale.initialize(model=None, config={"train_batch_size": 1})

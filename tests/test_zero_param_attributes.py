@@ -91,6 +91,8 @@ def _attributes_rank(ckpt: str) -> dict:
     r["between"] = {p.ds_status for p in named.values()}
     r["ids"] = sorted(p.ds_id for p in named.values()) == list(range(len(named)))
     r["persist"] = all(p.ds_persist == engine.model_state.group_of(p).persistent for p in named.values())
+    r["summary"] = all(p.ds_summary()["ds_shape"] == tuple(full[n].shape) and p.ds_summary()["status"] == "NOT_AVAILABLE"
+                       for n, p in named.items() if not p.ds_persist)  # fmt: skip
     seen = {}
     block = engine.module.blocks[0]
     weight = block[0].weight
@@ -211,7 +213,7 @@ def test_param_attributes_forward_only_engines_and_pinned_groups(tmp_path):
 
     for r in run_ranks(_attributes_rank, 2, str(tmp_path / "ckpt")):
         assert r["types"] == {"ZeroParameter"}
-        assert r["shapes"] and r["ids"] and r["persist"] and r["ds_tensor"]
+        assert r["shapes"] and r["ids"] and r["persist"] and r["summary"] and r["ds_tensor"]
         assert r["between"] == {S.NOT_AVAILABLE} and r["after_step"] is S.NOT_AVAILABLE
         assert r["during"] == (S.AVAILABLE, True)  # live: the group's state inside its forward
         assert r["trained"] < 1e-6  # the training is plain PyTorch's

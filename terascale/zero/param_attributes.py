@@ -149,6 +149,13 @@ class ZeroParameter(nn.Parameter):
     def partition_numel(self) -> int:
         return _partition(self).local.numel()
 
+    def ds_summary(self) -> dict[str, Any]:
+        """DeepSpeed's one-line picture of a ZeRO-3 parameter (what its assertions print)."""
+        return {"id": self.ds_id, "status": self.ds_status.name, "numel": self.numel(), "ds_numel": self.ds_numel,
+                "shape": tuple(self.shape), "ds_shape": tuple(self.ds_shape), "requires_grad": self.requires_grad,
+                "grad_shape": tuple(self.grad.shape) if self.grad is not None else None, "persist": self.ds_persist,
+                "active_sub_modules": self.ds_active_sub_modules, "ds_tensor.shape": tuple(self.ds_tensor.shape)}  # fmt: skip
+
     def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
         if id(self) not in memo:  # a copy is not partitioned: a plain parameter
             memo[id(self)] = nn.Parameter(copy.deepcopy(self.data, memo), self.requires_grad)
