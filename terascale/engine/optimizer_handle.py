@@ -29,7 +29,6 @@ which are the engine optimizer's.
 from __future__ import annotations
 
 import functools
-
 from typing import TYPE_CHECKING, Any
 
 import torch

@@ -54,8 +54,8 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from terascale.config import AutoContext, Config, Given
 from terascale.config.auto import PLANNED_KEYS
 from terascale.engine import Engine
-from terascale.entry import initialize
 from terascale.engine.optimizer_handle import optimizer_handle
+from terascale.entry import initialize
 from terascale.integrations.optimizer import EngineOptimizer
 
 _TAG = "checkpoint"

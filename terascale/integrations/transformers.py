@@ -61,8 +61,8 @@ from torch.utils.data import DataLoader
 from terascale.config import AutoContext, Config, Given
 from terascale.config.auto import PLANNED_KEYS
 from terascale.engine import Engine
-from terascale.entry import initialize
 from terascale.engine.optimizer_handle import optimizer_handle
+from terascale.entry import initialize
 from terascale.integrations.optimizer import EngineOptimizer
 
 _SCHEDULER_FILE = "scheduler.pt"

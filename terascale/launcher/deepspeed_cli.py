@@ -179,7 +179,7 @@ def launch_fields(args: argparse.Namespace) -> dict[str, Any]:
                          "`terascale plan --model ... --config ds.json` weighs the choices a config leaves \"auto\" "
                          "(ZeRO stage, offload, micro batch size) for a model on this machine, and "
                          "terascale.initialize makes the same choice when the job starts")  # fmt: skip
-    if getattr(args, "as_deepspeed", False) and args.nnodes is not None and (args.include or args.exclude):
+    if args.as_deepspeed and args.nnodes is not None and (args.include or args.exclude):
         # DeepSpeed's rule; terascale's own `run` keeps the first hosts of a filtered pool.
         raise ValueError("--num_nodes cannot be combined with --include/--exclude (as in DeepSpeed); "
                          "name the hosts in the filter instead")  # fmt: skip

@@ -29,16 +29,13 @@ FusedLamb = Lamb
 class _Builds(type):
     """The metaclass of DeepSpeed's optimizer names: calling one builds terascale's (torch's)
     optimizer of that algorithm (``__new__`` returns it); ``isinstance(x, FusedAdam)`` asks
-    whether ``x``, or the engine optimizer behind the handle ``initialize`` returns, runs that
-    algorithm (``__algorithm__``), as DeepSpeed's programs and tests check it."""
+    whether ``x`` runs that algorithm (``__algorithm__``), as DeepSpeed's programs and tests
+    check it. The handle ``initialize`` returns is an instance of its optimizer's class
+    ([Note: the optimizer initialize returns]), so it answers as that optimizer does."""
 
     __algorithm__: type
 
     def __instancecheck__(cls, obj: object) -> bool:
-        from terascale.engine.optimizer_handle import OptimizerHandle
-
-        if isinstance(obj, OptimizerHandle):
-            obj = obj.optimizer
         return isinstance(obj, cls.__algorithm__)
 
 

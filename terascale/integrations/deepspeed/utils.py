@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from terascale.integrations.deepspeed.accelerator import get_accelerator
+from terascale.pipe.partition import min_max_split
 from terascale.zero.param_attributes import ZeroParamStatus  # noqa: F401  (what param.ds_status answers)
 
 logger = logging.getLogger("terascale")  # DeepSpeed's ``logger``: terascale's own
@@ -181,8 +182,6 @@ def partition_balanced(weights: Sequence[float], num_parts: int, eps: float = 1e
     those, whose lightest is as heavy as possible; past ``len(weights)`` parts the last runs
     are empty. (Pipeline stages use ``terascale.pipe.partition``'s, which spreads weightless
     layers instead. ``eps``, of DeepSpeed's older signature, is unused.)"""
-    from terascale.pipe.partition import min_max_split
-
     n = len(weights)
     if num_parts < 1:
         raise ValueError(f"partition_balanced: num_parts must be at least 1, got {num_parts}")
