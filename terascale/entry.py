@@ -27,6 +27,7 @@ from terascale.engine.monitor import check_monitor_packages
 from terascale.engine.optimizer import OptimizerArg, SchedulerArg, check_optimizer_arguments
 from terascale.engine.optimizer_handle import optimizer_handle
 from terascale.engine.parallel import check_layout, model_parallel_unit
+from terascale.errors import UsageError
 from terascale.offload.policy import unpinned_keys
 from terascale.parallel.sequence.groups import with_sequence_parallel
 from terascale.pipe import PipelineEngine, PipelineModule
@@ -67,7 +68,7 @@ def initialize(
     already instead of creating one.
     """
     if not isinstance(model, nn.Module):
-        raise ValueError(f"terascale.initialize needs a model, a torch.nn.Module; got {type(model).__name__}")
+        raise UsageError(f"terascale.initialize needs a model, a torch.nn.Module; got {type(model).__name__}")
     if dist_init_required is False and not torch.distributed.is_initialized():
         raise ValueError("initialize(dist_init_required=False): torch.distributed is not initialized; "
                          "initialize it first or pass dist_init_required=True")  # fmt: skip

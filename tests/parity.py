@@ -101,28 +101,34 @@ def check(world: int, cases: list[Case], *, zero_unused_grads: bool = False) -> 
     """
     results = run_ranks(train_rank, world, world, cases)
     for i, case in enumerate(cases):
-        name = case.describe(world)
-        kw = dict(
-            lr=LR, weight_decay=WD, clip=case.clip, tied=case.tied, use_rare=case.use_rare,
-            frozen=case.frozen, reuse=case.reuse, zero_unused_grads=zero_unused_grads,
-        )
-        global_batch = MICRO * case.gas * world
-        ref_losses, ref_state = reference_train(STEPS, global_batch, **kw)
-        _, exact_state = reference_train(STEPS, global_batch, dtype=torch.float64, **kw)
-        # Each optimizer step's loss is the mean of its world*gas equal-sized micro losses.
-        per_rank = [torch.tensor(rank_results[i][0]).view(STEPS, case.gas) for rank_results in results]
-        losses = torch.stack(per_rank).mean(dim=(0, 2))
-        torch.testing.assert_close(losses, torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=name)
-        for rank_results in results:
-            state = rank_results[i][1]
-            assert state.keys() == ref_state.keys()
-            for k in ref_state:
-                # [Note: fp32 rounding budget] Adam divides by sqrt(v): for an element whose
-                # gradients nearly cancel it turns rounding noise into visible differences.
-                # The reference in fp32 then differs from the same computation in fp64 by more
-                # than 1e-6 too (rare.weight, tied case: 4e-6). Such a tensor may differ from
-                # the fp32 reference by twice the reference's own fp32 error, never more.
-                own_error = (ref_state[k].double() - exact_state[k]).abs().max().item()
-                atol = max(1e-6, 2 * own_error)
-                torch.testing.assert_close(state[k], ref_state[k], rtol=1e-5, atol=atol, msg=f"{name}: {k}")
+        assert_matches_reference(world, case, [rank_results[i] for rank_results in results], zero_unused_grads)
     return results
+
+
+def assert_matches_reference(world: int, case: Case, results: list[tuple], zero_unused_grads: bool = False) -> None:
+    """``results``: per rank, the ``(micro losses, full state dict, ...)`` of training ``case``;
+    they equal the single-process reference's losses and parameters within fp32 rounding."""
+    name = case.describe(world)
+    kw = dict(
+        lr=LR, weight_decay=WD, clip=case.clip, tied=case.tied, use_rare=case.use_rare,
+        frozen=case.frozen, reuse=case.reuse, zero_unused_grads=zero_unused_grads,
+    )
+    global_batch = MICRO * case.gas * world
+    ref_losses, ref_state = reference_train(STEPS, global_batch, **kw)
+    _, exact_state = reference_train(STEPS, global_batch, dtype=torch.float64, **kw)
+    # Each optimizer step's loss is the mean of its world*gas equal-sized micro losses.
+    per_rank = [torch.tensor(rank_result[0]).view(STEPS, case.gas) for rank_result in results]
+    losses = torch.stack(per_rank).mean(dim=(0, 2))
+    torch.testing.assert_close(losses, torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=name)
+    for rank_result in results:
+        state = rank_result[1]
+        assert state.keys() == ref_state.keys()
+        for k in ref_state:
+            # [Note: fp32 rounding budget] Adam divides by sqrt(v): for an element whose
+            # gradients nearly cancel it turns rounding noise into visible differences.
+            # The reference in fp32 then differs from the same computation in fp64 by more
+            # than 1e-6 too (rare.weight, tied case: 4e-6). Such a tensor may differ from
+            # the fp32 reference by twice the reference's own fp32 error, never more.
+            own_error = (ref_state[k].double() - exact_state[k]).abs().max().item()
+            atol = max(1e-6, 2 * own_error)
+            torch.testing.assert_close(state[k], ref_state[k], rtol=1e-5, atol=atol, msg=f"{name}: {k}")

@@ -14,16 +14,16 @@ def test_window_moves_through_its_states_in_order() -> None:
     ts = TrainState(gradient_accumulation_steps=2, device=torch.device("cpu"))
     assert ts.window is WindowState.EMPTY and ts.at_window_start and not ts.is_boundary()
     ts.add_loss(torch.tensor(3.0), 1)
-    ts.backward_ran()
+    ts.backward_ran(False)
     assert ts.window is WindowState.ACCUMULATING
     ts.count_micro_step()
     assert ts.is_boundary() and not ts.at_window_start
     ts.add_loss(torch.tensor(5.0), 1)
-    ts.backward_ran()
+    ts.backward_ran(False)
     ts.finalize(torch.tensor(0.5))
     assert ts.window is WindowState.FINAL and float(ts.window_norm) == 0.5
     with pytest.raises(ValueError, match=r"call engine.step\(\) to end the window first"):
-        ts.backward_ran()  # the norm would no longer describe the gradients
+        ts.backward_ran(False)  # the norm would no longer describe the gradients
     ts.step_done(applied=True, grad_norm=0.5, samples=8)
     assert (ts.global_steps, ts.micro_steps, ts.global_samples, ts.skipped_steps) == (1, 2, 8, 0)
     assert ts.window is WindowState.EMPTY and ts.window_norm is None and ts.step_applied

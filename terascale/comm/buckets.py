@@ -63,6 +63,7 @@ class ReducePolicy:
     comm_dtype: torch.dtype | None = None  # None: communicate in accum_dtype
     prescale: bool = False  # divide by the world size before the all-reduce
     predivide_factor: float = 1.0  # with prescale off: divide by this before, by world/this after
+    average: bool = True  # gradient_allreduce_op "mean"; False ("sum"): summed over the ranks, not divided
     sparse_gradients: bool = False  # the config's sparse_gradients: reduce sparse_params as rows
     sparse_params: frozenset[str] = frozenset()  # names of parameters with row-sparse gradients
 
@@ -104,7 +105,8 @@ class GradientBuckets:
         # Summed over ``group``, averaged over ``average_over`` ranks (default: the group's);
         # experts' gradients are summed over a subgroup and averaged over the whole
         # data-parallel world ([Note: expert parameters]).
-        self._divisor = average_over or self._world
+        # With ``policy.average`` off (gradient_allreduce_op "sum") nothing is divided.
+        self._divisor = (average_over or self._world) if policy.average else 1
         self._policy = policy
         self._sync = True
         self._reduce = True

@@ -16,9 +16,12 @@ from typing import Any
 
 from pydantic import AliasChoices, BaseModel, ValidationError
 
+from terascale.errors import UsageError
 
-class ConfigError(ValueError):
-    """A config a user wrote is invalid or asks for something unavailable.
+
+class ConfigError(UsageError):
+    """A config a user wrote is invalid or asks for something unavailable (a ValueError,
+    and an AssertionError as DeepSpeed's config checks are: [Note: refusals DeepSpeed asserts]).
 
     ``problems`` holds one line per problem; the message lists them all so a user can fix
     every mistake in one pass.

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from terascale.engine.export import in_compute_dtype
+from terascale.errors import UsageError
 
 if TYPE_CHECKING:
     from terascale.engine.engine import Engine
@@ -263,9 +264,10 @@ class DeepSpeedEngineAPI:
         backward outside (at the window's boundary) reduces them. Stages 0-1 only: from
         stage 2 gradients are partitioned as each backward runs (as in DeepSpeed)."""
         if self.zero_optimization_partition_gradients():
-            raise ValueError(
+            raise UsageError(
                 f"engine.no_sync(): ZeRO stage {self.zero_optimization_stage()} partitions gradients during "
-                "every backward; use stage 0 or 1, or let gradient_accumulation_steps decide the windows"
+                "every backward; use engine.coalesce_grad_reduction() (one reduction at the block's exit), "
+                "stage 0 or 1, or let gradient_accumulation_steps decide the windows"
             )
         before = self.train_state.boundary
         self.set_gradient_accumulation_boundary(False)
@@ -273,6 +275,33 @@ class DeepSpeedEngineAPI:
             yield
         finally:
             self.set_gradient_accumulation_boundary(before)
+
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self: Engine) -> Iterator[None]:
+        """The backwards inside are one accumulation window, reduced in one pass when the
+        block exits, at every ZeRO stage (stages 2-3 keep the full gradient buffers until
+        then: [Note: deferred reduction]). Call ``engine.step()`` after the block."""
+        train = self.train_state
+        if not train.managed:
+            raise UsageError(
+                "engine.coalesce_grad_reduction() with managed_gradient_accumulation false: engine.step() "
+                "ends each window and reduces it already"
+            )
+        if train.deferring:
+            raise UsageError("engine.coalesce_grad_reduction() inside another one: one block is one window")
+        if self.dist.pp_world_size > 1:
+            raise UsageError(
+                "engine.coalesce_grad_reduction() with pipeline parallelism: train_batch schedules the window"
+            )
+        train.deferring = True
+        try:
+            yield
+        finally:
+            train.deferring = False
+        self._reduce_window()  # not after an error: the other ranks may not get here
+
+    def managed_gradient_accumulation(self: Engine) -> bool:
+        return self.config.managed_gradient_accumulation
 
     def empty_partition_cache(self: Engine) -> None:
         """Free the gathered (and prefetched) full parameters of ZeRO stage 3 and the host

@@ -43,6 +43,7 @@ from terascale.engine.parallel import join_model_parallel
 from terascale.engine.prepare import PreparedModel
 from terascale.engine.resilience import Resilience
 from terascale.engine.train_state import TrainCounter, TrainState, WindowState
+from terascale.errors import UsageError
 from terascale.offload.aio import IoActivity
 from terascale.zero.tiling import untiled_state_dict
 
@@ -85,7 +86,9 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self.lr_scheduler = engine_scheduler(lr_scheduler, config, self.optimizer)
         self.loss_scaler = build_loss_scaler(config.fp16)
 
-        train = self._train = TrainState(batch.gradient_accumulation_steps, dist_ctx.device)
+        train = self._train = TrainState(
+            batch.gradient_accumulation_steps, dist_ctx.device, managed=config.managed_gradient_accumulation
+        )  # fmt: skip
         self._data = DataPosition(training_dataloader)
         self._reporter = Reporter(config, dist_ctx, lambda: train.global_samples)
         self._checkpointer = Checkpointer(
@@ -182,7 +185,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._train.set_boundary(is_boundary)
 
     def was_step_applied(self) -> bool:
-        """False if the last boundary step was skipped because of an fp16 overflow."""
+        """Whether the last ``step()`` updated the parameters: False inside an accumulation
+        window and when an fp16 overflow (or the non-finite policy) skipped the update."""
         return self._train.step_applied
 
     # -- the training protocol ---------------------------------------------------------------
@@ -245,10 +249,12 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         """Around one backward: the model state's bracket (``sync`` on the window's last
         backward, when the gradients are reduced over the data-parallel ranks)."""
         if self.optimizer is None:
-            raise ValueError(f"backward: {FORWARD_ONLY}")
-        self._train.backward_ran()
+            raise UsageError(f"backward: {FORWARD_ONLY}")
+        defer = self._train.deferring  # coalesce_grad_reduction: the block's exit reduces
+        sync = sync and not defer
+        self._train.backward_ran(sync)
         with self._phase("backward"):
-            self._state.prepare_backward(sync=sync)
+            self._state.prepare_backward(sync=sync, defer=defer)
             self.activations.before_backward()
             yield
             self._state.post_backward()
@@ -264,21 +270,43 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
 
     def _step(self, *, scheduler: bool) -> None:
         if self.optimizer is None:
-            raise ValueError(f"engine.step(): {FORWARD_ONLY}")
-        if not self.is_gradient_accumulation_boundary():
-            self._train.count_micro_step()
-            return
-        with self._phase("step", timed=False):
-            outcome = self._update(scheduler)
+            raise UsageError(f"engine.step(): {FORWARD_ONLY}")
+        if self._train.deferring:
+            raise UsageError(
+                "engine.step() inside engine.coalesce_grad_reduction(): the block is one accumulation window, "
+                "reduced when it exits; call engine.step() after the with-block"
+            )
+        with self._train.stepping():  # the boundary, where the caller owns the windows
+            if not self.is_gradient_accumulation_boundary():
+                self._train.count_micro_step()
+                return
+            samples = self._window_samples()
+            with self._phase("step", timed=False):
+                self._reduce_window()
+                outcome = self._update(scheduler)
         if outcome is None:  # rolled back: the checkpoint's counters stand
             return
         applied, norm = outcome
-        self._train.step_done(applied=applied, grad_norm=norm, samples=self.train_batch_size())
+        self._train.step_done(applied=applied, grad_norm=norm, samples=samples)
         loss_scale = self.loss_scale if self.config.fp16.enabled else None
         self._observe.step_ends(self.get_lr()[0], loss_scale)  # reads the window's loss where it reports
         self._train.reset_window_loss()
         self.activations.log_profile(self._train.global_steps)
         self._resilience.after_step()
+
+    def _window_samples(self) -> int:
+        """Samples the window ending now trained on: the global batch, or where the caller
+        owns the windows, the micro-batches of its backwards on every data-parallel rank."""
+        if self._train.managed:
+            return self.train_batch_size()
+        return self.micro_batch_size * self.dist.dp_world_size * self._train.window_backwards
+
+    def _reduce_window(self) -> None:
+        """Reduce a window that no backward of it reduced (its backwards deferred, or the
+        caller's step ends it): [Note: deferred reduction]."""
+        if self._train.needs_reduction:
+            self._state.finish_window()
+            self._train.reduced()
 
     def end_window(self, mean_loss: torch.Tensor) -> None:
         """End a window that a schedule ran in one go (the forwards and :meth:`run_backward`
@@ -321,6 +349,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         """Once per window, before the gradients are used: sum tied layers' copies
         ([Note: tied parameters across stages])."""
         if self._train.window is not WindowState.FINAL:
+            if not self._train.managed:  # the norm before engine.step(), which ends the window
+                self._reduce_window()
             self._layout.sum_tied_grads(self._state)
             self._train.finalize()
 

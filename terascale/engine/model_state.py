@@ -4,8 +4,10 @@
 The engine runs one train step for every stage; what differs is who holds parameters,
 gradients and optimizer state, and that is behind :class:`ModelState`:
 
-- ``prepare_backward(sync)`` / ``post_backward()`` bracket each backward (``sync`` on the
-  last micro-step of a window: gradients are reduced over the data-parallel ranks);
+- ``prepare_backward(sync, defer)`` / ``post_backward()`` bracket each backward (``sync`` on
+  the last micro-step of a window: gradients are reduced over the data-parallel ranks;
+  ``defer``: nothing is reduced before the window's end, [Note: deferred reduction]);
+  ``finish_window()`` ends a window whose backwards did not synchronise;
 - ``grad_sq_norm(skip, extra)`` is the squared norm of the reduced, still loss-scaled
   gradients over the data-parallel group, leaving out the parameters in ``skip``
   (model-parallel copies another rank counts, see ``terascale/engine/parallel.py``), plus
@@ -74,9 +76,13 @@ from terascale.zero.optimizers import SumNorms
 class ModelState(Protocol):
     def optimizer_param_groups(self) -> list[dict]: ...
 
-    def prepare_backward(self, sync: bool) -> None: ...
+    def prepare_backward(self, sync: bool, defer: bool = False) -> None: ...
 
     def post_backward(self) -> None: ...
+
+    def finish_window(self) -> None:
+        """The window ends with no backward to synchronise on: reduce what its backwards
+        left unreduced ([Note: deferred reduction] in :mod:`terascale.zero.grads`)."""
 
     def grad_sq_norm(self, skip: Collection[int] = frozenset(), extra: torch.Tensor | None = None) -> torch.Tensor: ...
 
@@ -195,10 +201,13 @@ class ReplicatedState:
     def optimizer_param_groups(self) -> list[dict]:
         return self._groups
 
-    def prepare_backward(self, sync: bool) -> None:
+    def prepare_backward(self, sync: bool, defer: bool = False) -> None:
         self._local = self._reduces is not None and not self._reduces()
         for _, buckets, _ in self._reductions:
             buckets.prepare_backward(sync, reduce=not self._local)
+
+    def finish_window(self) -> None:
+        pass  # the buckets reduce what is left when the step finishes them
 
     def gate_reduction(self, reduces: Callable[[], bool]) -> None:
         self._reduces = reduces

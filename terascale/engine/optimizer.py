@@ -16,6 +16,7 @@ import torch
 from terascale.config import Config
 from terascale.engine.model_state import ModelState, adopt_optimizer
 from terascale.engine.parallel import ParallelLayout
+from terascale.errors import UsageError
 from terascale.optim import build_optimizer, build_scheduler
 from terascale.optim.lamb import Lamb
 from terascale.optim.onebit import ReducesOwnGradients
@@ -43,7 +44,7 @@ def check_optimizer_arguments(config: Config, optimizer: OptimizerArg, lr_schedu
     """Refuse an optimizer (scheduler) passed to ``initialize`` beside the config's own, and
     a scheduler without an optimizer."""
     if forward_only(config, optimizer) and (lr_scheduler is not None or config.scheduler is not None):
-        raise ValueError(
+        raise UsageError(
             "an LR scheduler (the config's 'scheduler' section or lr_scheduler=) needs an optimizer: add an "
             "'optimizer' section or pass optimizer= to terascale.initialize, or drop the scheduler for a "
             "forward-only engine"
@@ -95,6 +96,11 @@ def own_gradient_reduction(
     it cannot run on with a ValueError naming what to change."""
     name = type(optimizer).__name__
     stage = config.zero_optimization.stage
+    if config.gradient_allreduce_op == "sum":
+        raise ValueError(
+            f'gradient_allreduce_op "sum" with {name}: it averages its own compressed momenta over the ranks; '
+            'use "mean" (the default) with it, or another optimizer'
+        )
     if stage != 0:
         raise ValueError(
             f"{name} averages its own 1-bit compressed momenta over the data-parallel ranks and needs whole "
@@ -160,6 +166,8 @@ def step_in_backward(
             f"gradient_clipping {config.gradient_clipping} scales the update by the norm of all gradients, known only "
             "after backward; set gradient_clipping to 0"
         )
+    if not config.managed_gradient_accumulation:
+        reasons.append("managed_gradient_accumulation false: a window's last backward is known only at engine.step()")
     if config.fp16.enabled:
         reasons.append("fp16 checks the gradients for overflow after backward and skips the step if any; use bf16")
     if checks_non_finite:

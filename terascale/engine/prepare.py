@@ -313,5 +313,6 @@ def _reduction(config: Config) -> dict[str, Any]:
         "comm_dtype": config.communication_dtype,
         "prescale": config.prescale_gradients,
         "predivide_factor": config.gradient_predivide_factor,
+        "average": config.gradient_allreduce_op == "mean",
         "sparse_gradients": config.sparse_gradients,
     }

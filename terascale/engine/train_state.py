@@ -12,6 +12,12 @@ gradients pass through three states, in this order only:
   stages); the unscaled global norm, once taken, is kept in ``window_norm`` so that
   clipping, the overflow check and ``engine.window_grad_norm()`` agree on one value.
 
+With ``managed_gradient_accumulation: false`` in the config the caller owns the windows:
+every ``engine.step()`` ends one, whatever the number of backwards before it, and a
+micro-step is a window's boundary only while that step runs. Inside
+``engine.coalesce_grad_reduction()`` (``deferring``) no backward synchronises; the
+block's exit reduces the window ([Note: deferred reduction] in :mod:`terascale.zero.grads`).
+
 ``step()`` at the window's end, ``zero_grad()`` and a rollback return it to ``EMPTY``. A
 backward in ``FINAL`` is an error: the norm and the summed ties would no longer describe
 the gradients. Only this class's methods change the counters: the engine calls them, the
@@ -21,10 +27,14 @@ sets ``engine.global_steps`` goes through :meth:`TrainState.set_counters`.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from terascale.errors import UsageError
 
 
 _COUNTERS = ("global_steps", "micro_steps", "global_samples", "skipped_steps")
@@ -41,8 +51,13 @@ class TrainState:
     ``skipped_steps``) and the current window (its state, summed loss, gradient norm,
     boundary override). Attributes are for reading; the methods move them."""
 
-    def __init__(self, gradient_accumulation_steps: int, device: torch.device) -> None:
+    def __init__(self, gradient_accumulation_steps: int, device: torch.device, managed: bool = True) -> None:
         self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.managed = managed  # False: every engine.step() ends a window (managed_gradient_accumulation)
+        self.in_step = False  # engine.step() is running (the boundary when not managed)
+        self.deferring = False  # inside engine.coalesce_grad_reduction()
+        self.synced = False  # the window's last backward reduced its gradients
+        self.window_backwards = 0  # backwards in the current window
         self.global_steps = 0
         self.micro_steps = 0
         self.global_samples = 0
@@ -62,6 +77,8 @@ class TrainState:
 
     def is_boundary(self) -> bool:
         """True when the current micro-step is the last of its window."""
+        if not self.managed:
+            return self.in_step
         if self.boundary is not None:
             return self.boundary
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
@@ -73,19 +90,45 @@ class TrainState:
         return self.boundary is None and self.micro_steps % self.gradient_accumulation_steps == 0
 
     def set_boundary(self, is_boundary: bool | None) -> None:
+        if not self.managed and is_boundary is not None:
+            raise UsageError(
+                "set_gradient_accumulation_boundary() with managed_gradient_accumulation false: every "
+                "engine.step() ends the accumulation window already; leave the boundary to it"
+            )
         self.boundary = None if is_boundary is None else bool(is_boundary)
 
     def add_loss(self, loss: torch.Tensor, weight: float) -> None:
         """Add ``loss * weight`` (detached, fp32) to the window's loss."""
         self.window_loss += loss.detach().float() * weight
 
-    def backward_ran(self) -> None:
+    def backward_ran(self, synced: bool) -> None:
+        """A backward starts; ``synced``: it reduces the window's gradients (its last)."""
         if self.window is WindowState.FINAL:
             raise ValueError(
                 "a backward after engine.window_grad_norm() completed this window's gradients: call "
                 "engine.step() to end the window first (or engine.zero_grad() to drop its gradients)"
             )
         self.window = WindowState.ACCUMULATING
+        self.synced = synced
+        self.window_backwards += 1
+
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[None]:
+        """Around ``engine.step()``: the window's boundary where the caller owns the windows."""
+        self.in_step = True
+        try:
+            yield
+        finally:
+            self.in_step = False
+
+    @property
+    def needs_reduction(self) -> bool:
+        """The window has gradients that no backward of it reduced yet."""
+        return self.window is WindowState.ACCUMULATING and not self.synced
+
+    def reduced(self) -> None:
+        """The window's gradients were reduced without a backward (``finish_window``)."""
+        self.synced = True
 
     def finalize(self, norm: torch.Tensor | None = None) -> None:
         """The window's gradients are complete; ``norm`` is their unscaled global norm, if taken."""
@@ -97,10 +140,13 @@ class TrainState:
         """Gradients dropped (``zero_grad``): the window is empty again; its loss is kept."""
         self.window = WindowState.EMPTY
         self.window_norm = None
+        self.synced = False
+        self.window_backwards = 0
 
     def count_micro_step(self) -> None:
         """A micro-step inside the window ended (no update)."""
         self.micro_steps += 1
+        self.step_applied = False
 
     def window_ran(self, mean_loss: torch.Tensor) -> None:
         """A schedule ran the whole window at once (a pipeline's ``train_batch``): its mean

@@ -38,6 +38,11 @@ class PipelineEngine(Engine):
     with :meth:`train_batch` (see the module docstring)."""
 
     def __init__(self, prepared: PreparedModel, config: Config, dist_ctx: DistributedContext, **kwargs: Any) -> None:
+        if not config.managed_gradient_accumulation:
+            raise ValueError(
+                "managed_gradient_accumulation false with a PipelineModule: a pipeline's train_batch runs "
+                "gradient_accumulation_steps micro-batches as one window; remove the key"
+            )
         super().__init__(prepared, config, dist_ctx, **kwargs)
         module = self.module
         assert isinstance(module, PipelineModule)

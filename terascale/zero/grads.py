@@ -45,6 +45,21 @@ backward a listener (:class:`FinalGradients`) is told of each one then, and redu
 already finished are completed at once rather than when the bucket overflows ([Note: the
 optimizer step under backward]).
 
+[Note: deferred reduction]
+Two ways of training leave a window's reduction to its end, whatever the stage:
+``engine.coalesce_grad_reduction()`` (DeepSpeed's: the backwards inside are one window,
+reduced in one pass) and ``managed_gradient_accumulation: false`` (the caller's
+``engine.step()`` ends the window). A *deferred* backward that does not end the window
+reduces nothing, at stages 2-3 too: its gradients add into the full flat buffers, which
+stay until the window's end, as at stage 1 (more memory for fewer collectives: the
+user's choice). The window ends at a synchronising backward, which then reduces every
+group rather than the plan's, or, when no backward of it synchronises, at
+``finish_window()``, which reduces what is still unreduced: every group at stage 1 or
+after a deferred backward; at stages 2-3 otherwise (unmanaged accumulation: each
+backward reduced its groups as usual) only what ``_end_window`` finds left over. A
+deferred window teaches the plan nothing. Every rank defers and finishes at the same
+points, so the collectives still match.
+
 [Note: sparse rows in a group]
 With ``sparse_gradients`` a group holding parameters named in ``GradPolicy.sparse_params``
 (sparse embeddings, see [Note: sparse gradients] in :mod:`terascale.comm.sparse`) is
@@ -97,6 +112,7 @@ class GradPolicy:
     reduce_scatter: bool = True  # False: all-reduce the buffer and keep the own slice
     prescale: bool = False
     predivide_factor: float = 1.0
+    average: bool = True  # gradient_allreduce_op "mean"; False ("sum"): summed over the ranks, not divided
     sparse_gradients: bool = False  # the config's sparse_gradients; off: a sparse gradient is an error
     sparse_params: frozenset[str] = frozenset()  # names of parameters with row-sparse gradients
 
@@ -208,6 +224,7 @@ class ShardedGrads:
         # Gradients are averaged over ``group``; a group whose shards split over a subgroup
         # of it (an expert's: [Note: expert parameters]) is reduced over that subgroup.
         self.world = dist.get_world_size(group)
+        self._divisor = self.world if policy.average else 1  # gradients are averaged over it
         self._pgs = list(reduce_groups) if reduce_groups is not None else [group] * len(self.groups)
         assert len(self._pgs) == len(self.groups)
         self._ranks = [dist.get_rank(pg) for pg in self._pgs]
@@ -244,6 +261,7 @@ class ShardedGrads:
         self._window: list[tuple[list[bool], frozenset[int]]] = []
         self._scope: list[int] = self._order
         self._stale_norms: set[int] = set()
+        self._deferred = False  # a backward of this window deferred its reduction ([Note: deferred reduction])
         self.comm = CommStats()  # bytes this rank sends reducing gradients (for benchmarks)
         # Groups with row-sparse slots (see [Note: sparse rows in a group]); fixed by the
         # names in the policy, so every rank reduces the same groups the same way.
@@ -260,20 +278,42 @@ class ShardedGrads:
 
     # -- backward --------------------------------------------------------------------------
 
-    def prepare_backward(self, sync: bool) -> None:
+    def prepare_backward(self, sync: bool, defer: bool = False) -> None:
         """Start a backward; ``sync`` marks the last micro-step of an accumulation window.
         At stages 2-3 the backward reduces the groups that the plan gives its place in the
-        window (see [Note: reduce what a backward touched])."""
-        self._sync = sync or self.policy.reduce_every_micro_step
+        window (see [Note: reduce what a backward touched]); a ``defer``-red one reduces
+        nothing unless it ends the window (see [Note: deferred reduction])."""
+        self._deferred = self._deferred or defer
+        self._sync = sync or (self.policy.reduce_every_micro_step and not defer)
         self._window_end = sync
+        self._start_scope(full=self._deferred)
+
+    def _start_scope(self, full: bool) -> None:
         self._count = [0] * len(self.groups)
         self._done = [False] * len(self.groups)
         self._next = 0
         k = len(self._window)
-        if self.policy.reduce_every_micro_step and k < len(self._plan):
+        if self.policy.reduce_every_micro_step and k < len(self._plan) and not full:
             self._scope = [g for g in self._order if g in self._plan[k]]
         else:
             self._scope = self._order
+
+    def finish_window(self) -> None:
+        """End the window without a backward: reduce what its backwards left unreduced
+        (see [Note: deferred reduction]). Collective: every rank calls it at the same point."""
+        self._sync = self._window_end = True
+        # Stage 1 and a window with deferred backwards reduce every group now; at stages 2-3
+        # the backwards reduced their groups already, and _end_window reduces the rest.
+        full = not self.policy.reduce_every_micro_step or self._deferred or not self._window
+        self._start_scope(full=True)
+        if not full:
+            self._scope = []
+        self._reduce_rest_of_scope()
+        if not self.policy.reduce_every_micro_step:
+            self._deferred = False
+            return
+        self._window.append(([False] * len(self.groups), frozenset(self._scope)))
+        self._end_window()
 
     def _hook(self, g: int, i: int) -> Callable[[nn.Parameter], None]:
         slot = self.groups[g].layout.slots[i]
@@ -368,7 +408,7 @@ class ShardedGrads:
         else:
             comm = self._pack(g, flat)
             lo, hi = self._ranks[g] * sparse.chunk, (self._ranks[g] + 1) * sparse.chunk
-        pre = 1.0 / self.world if pol.prescale else 1.0 / pol.predivide_factor
+        pre = 1.0 / self._divisor if pol.prescale else 1.0 / pol.predivide_factor
         if pre != 1.0:
             comm.mul_(pre)
         size, pg = self._sizes[g], self._pgs[g]
@@ -435,7 +475,7 @@ class ShardedGrads:
         assert sparse is not None
         layout = self.groups[g].layout
         lo, hi = layout.shard_range(self._ranks[g])
-        post = 1.0 if pol.prescale else pol.predivide_factor / self.world
+        post = 1.0 if pol.prescale else pol.predivide_factor / self._divisor
         accumulate = pol.reduce_every_micro_step and self.swapper is None and self.shards[g] is not None
         if accumulate:
             out = self.shards[g]
@@ -482,7 +522,7 @@ class ShardedGrads:
         lo, hi = self.groups[g].layout.shard_range(self._ranks[g])
         reduced = item.comm[lo:hi]
         pol = self.policy
-        post = 1.0 if pol.prescale else pol.predivide_factor / self.world
+        post = 1.0 if pol.prescale else pol.predivide_factor / self._divisor
         if post != 1.0:
             reduced.mul_(post)
         flat = self._flat[g]
@@ -554,6 +594,7 @@ class ShardedGrads:
             return
         self._reduce_rest_of_scope()
         if not self.policy.reduce_every_micro_step:
+            self._deferred = False
             return  # stage 1: the window's end, every group reduced
         self._window.append(([c > 0 for c in self._count], frozenset(self._scope)))
         if self._window_end:
@@ -573,8 +614,10 @@ class ShardedGrads:
             touched = self._touched_anywhere()
             self._scope, self._next = [g for g in self._order if self._left_over(g, touched)], 0
             self._reduce_rest_of_scope()
-            self._plan = [frozenset(g for g in self._order if row[g]) for row in touched]
+            if not self._deferred:  # a deferred window's backwards say nothing of the usual windows'
+                self._plan = [frozenset(g for g in self._order if row[g]) for row in touched]
         self._window = []
+        self._deferred = False
         assert all(flat is None for flat in self._flat), "a group's gradients were left unreduced"
         for g in sorted(self._stale_norms):
             assert self.swapper is not None
@@ -606,6 +649,7 @@ class ShardedGrads:
             self._rows[g] = {}
             self.shards[g] = None
         self._window = []  # a window dropped half-way starts again at its first backward
+        self._deferred = False
         self._stale_norms.clear()
         if self.swapper is not None:
             self.swapper.zero_()

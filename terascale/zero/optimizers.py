@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from terascale.errors import UsageError
+
 # torch.optim classes whose update of an element depends on that element alone.
 _ELEMENTWISE = frozenset({"Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop"})
 # Class names (lower-case, any base class) of updates that need the whole tensor.
@@ -73,7 +75,7 @@ def check_shardable(optimizer: torch.optim.Optimizer, stage: int, allow_untested
     if type(optimizer).__module__.startswith("torch.optim") and name in _ELEMENTWISE:
         return
     if not allow_untested:
-        raise ValueError(
+        raise UsageError(
             f"{name} is not known to terascale: at ZeRO stage {stage} it would step flat pieces of parameters, "
             "which is right only if its update is elementwise. If it is, add \"zero_allow_untested_optimizer\": true "
             "to the config (DeepSpeed's key); if it needs whole tensors, use stage 0"

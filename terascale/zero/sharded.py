@@ -290,11 +290,16 @@ class ShardedState:
     def gate_reduction(self, reduces: Callable[[], bool]) -> None:
         raise AssertionError("optimizers that reduce their own gradients run at stage 0 (refused before this)")
 
-    def prepare_backward(self, sync: bool) -> None:
-        self.grads.prepare_backward(sync)
+    def prepare_backward(self, sync: bool, defer: bool = False) -> None:
+        self.grads.prepare_backward(sync, defer)
         order = self.early.arm(self.grads.scope) if sync and self.early is not None else None
         if sync and self.swapper is not None:
             self.swapper.prefetch(order)  # the step's first reads run under this backward
+
+    def finish_window(self) -> None:
+        if self.swapper is not None:
+            self.swapper.prefetch()  # the step's first reads run under the reductions
+        self.grads.finish_window()
 
     def post_backward(self) -> None:
         self.grads.post_backward()
@@ -614,7 +619,8 @@ class ShardedState:
         """``param.ds_*`` at stage 3 ([Note: ZeRO-3 parameter attributes])."""
         g = self._group_of[id(param)]
         active = set() if self.schedule is None else self.schedule.modules_holding(g)
-        return group_partition(self.groups[g], param, self._param_index[id(param)], active)
+        external = self.schedule is not None and self.schedule.is_external(g)
+        return group_partition(self.groups[g], param, self._param_index[id(param)], active, external)
 
     def group_of(self, param: nn.Parameter) -> FlatParamGroup | None:
         g = self._group_of.get(id(param))
