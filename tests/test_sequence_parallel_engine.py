@@ -206,8 +206,7 @@ def test_sizes_that_do_not_split_are_refused_naming_the_numbers():
     assert "sequence_parallel_size 3 does not divide the 2 ranks" in got["world"]
     assert "sequences of 31 tokens do not split over 2 sequence-parallel ranks" in got["length"]
     assert "sequence_parallel_size 2 does not divide the 3 attention heads of LlamaForCausalLM" in got["heads"]
-    assert "cannot find the attention of Sequential" in got["own model"]
-    assert "DistributedAttention" in got["own model"]
+    assert got["own model"] == "not refused"  # DeepSpeed's: the groups are built, splitting is the program's
     assert "sequence_parallel_size is 2 but sequence_parallel.size is 4" in got["both spellings"]
 
 

@@ -351,6 +351,8 @@ def _train_rank(name: str, checkpointing: bool = False, zero: dict | None = None
         "copy_plain": all(type(m._parameters) is dict for m in copy.deepcopy(model).modules()),
         "in_blocks": max(in_blocks, default=0),
         "sizes": {plan.module_name: fg.full_nbytes for plan, fg in zip(engine.model_state.plans, groups)},
+        # DeepSpeed's param.is_external_param: read by a module other than its owner
+        "external": sorted(n for n, p in model.named_parameters() if p.is_external_param),
     }
     engine.destroy()
     out["restored"] = all(type(m._parameters) is dict for m in model.modules())
@@ -435,7 +437,9 @@ def test_module_returning_its_parameter_hands_it_to_the_caller():
 
 
 def test_register_external_parameter_before_and_after_initialize():
-    check("explicit")
+    results = check("explicit")
+    # by group: a table's bias is gathered with its weight, outside its owner too
+    assert results[0]["external"] == ["tables.0.bias", "tables.0.weight", "tables.1.bias", "tables.1.weight"]
 
 
 def test_leaf_module_gathers_all_experts_when_ranks_route_differently():

@@ -1,5 +1,6 @@
 """DeepSpeed's ZeRO-3 parameter attributes (``param.ds_status``, ``ds_numel``, ``ds_shape``,
-``ds_id``, ``ds_tensor``, ``ds_persist``, ``ds_active_sub_modules``, ``partition_numel()``),
+``ds_id``, ``ds_tensor``, ``ds_persist``, ``ds_active_sub_modules``, ``is_external_param``,
+``partition_numel()``),
 answered by whoever partitions the parameter; and ``optimizer.parameter_offload``, the
 parameter coordinator TRL reads around generation.
 
@@ -95,6 +96,7 @@ class Partition:
     index: int  # the parameter's number among its owner's parameters
     persistent: bool = False  # never freed between uses (stage3_param_persistence_threshold)
     active_modules: set[int] = field(default_factory=set)  # id() of the running modules holding it
+    external: bool = False  # read by a module other than its owner ([Note: parameters read outside their owner])
 
 
 class PartitioningOwner(Protocol):
@@ -146,6 +148,12 @@ class ZeroParameter(nn.Parameter):
         at each read (clearing it changes nothing: the gather schedule keeps its own)."""
         return set(_partition(self).active_modules)
 
+    @property
+    def is_external_param(self) -> bool:
+        """Its group is gathered for a module other than its owner (DeepSpeed marks the one
+        parameter read; terascale gathers, and answers, by group)."""
+        return _partition(self).external
+
     def partition_numel(self) -> int:
         return _partition(self).local.numel()
 
@@ -176,14 +184,18 @@ def withdraw(params: Iterable[nn.Parameter]) -> None:
             p.__class__ = nn.Parameter
 
 
-def group_partition(fg: FlatParamGroup, param: nn.Parameter, index: int, active_modules: set[int]) -> Partition:
+def group_partition(
+    fg: FlatParamGroup, param: nn.Parameter, index: int, active_modules: set[int], external: bool = False
+) -> Partition:
     """The :class:`Partition` of ``param`` in the flat group ``fg`` (see ``FlatLayout``)."""
     k = next(i for i, p in enumerate(fg.params) if p is param)  # by identity (== compares tensors)
     local = fg.shard[:0]
     for frag in fg.layout.fragments(fg.rank):
         if frag.slot == k and fg.shard.numel() >= frag.shard_offset + frag.numel:  # empty while on NVMe
             local = fg.shard[frag.shard_offset : frag.shard_offset + frag.numel]
-    return Partition(fg.layout.slots[k].shape, STATUS_OF_STATE[fg.state], local, index, fg.persistent, active_modules)
+    return Partition(
+        fg.layout.slots[k].shape, STATUS_OF_STATE[fg.state], local, index, fg.persistent, active_modules, external
+    )  # fmt: skip
 
 
 class _ModuleParameters:

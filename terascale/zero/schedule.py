@@ -333,6 +333,11 @@ class ParamSchedule:
         """Whether a running forward or a ``GatheredParameters`` holds group ``g``."""
         return bool(self._held.get(g) or self._pinned.get(g))
 
+    def is_external(self, g: int) -> bool:
+        """Whether group ``g`` is an external group of some unit (read outside its owner:
+        ``param.is_external_param``)."""
+        return any(g in set(u.uses()) - set(u.groups) for u in self._units)
+
     def modules_holding(self, g: int) -> set[int]:
         """``id()`` of the modules whose running forward holds group ``g`` (``param.ds_active_sub_modules``)."""
         return {id(self._units[f.unit].module) for f in self._frames if g in f.held}

@@ -23,6 +23,7 @@ group, left None, is set here) and :func:`slice_batch` / :func:`sequence_loss` i
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -36,6 +37,8 @@ from terascale.activation.tiled import tile_mlp, tiled_cross_entropy
 from terascale.parallel.sequence.attention import DistributedAttention
 from terascale.parallel.sequence.data import sequence_loss, sequence_mean, slice_batch
 from terascale.parallel.sequence.hf import MASK_KWARG, use_ulysses_attention
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,8 @@ def apply_sequence_parallel(
     parallelism) with ``tiles``' tiling, in place (see the module docstring). Without
     ``split_batches`` the program feeds each rank its slices (DeepSpeed's ALST data loader
     adapter) and computes the loss: only the attention (and the MLP tiling) change. Raises
-    ``ValueError`` where its attention cannot be found or split."""
+    ``ValueError`` where its attention cannot be split; a model with no attention it knows
+    is left to split its sequences itself (a warning says so)."""
     sp = 1 if group is None else dist.get_world_size(group)
     if _is_causal_lm(module):
         if sp > 1:
@@ -103,13 +107,16 @@ def apply_sequence_parallel(
     if sp == 1:
         return
     wrappers = [m for m in module.modules() if isinstance(m, DistributedAttention)]
-    if not wrappers:
-        raise ValueError(
-            f"sequence parallelism: cannot find the attention of {type(module).__name__}: it is not a Hugging Face "
-            "causal LM (whose attention terascale switches itself) and holds no "
-            "terascale.parallel.sequence.DistributedAttention; wrap the model's attention function in one "
-            "(deepspeed.sequence.layer.DistributedAttention is the same class) or set sequence_parallel_size to 1"
-        )
+    if not wrappers and dist.get_rank() == 0:
+        # As in DeepSpeed: the groups are built (engine.seq_parallel_group) and splitting the
+        # sequence is the program's; unsplit, the ranks of a group compute the same thing.
+        logger.warning(
+            "sequence_parallel_size %d: %s is not a Hugging Face causal LM (whose attention terascale switches "
+            "itself) and holds no terascale.parallel.sequence.DistributedAttention, so nothing splits its "
+            "sequences: wrap its attention in one (deepspeed.sequence.layer.DistributedAttention is the same "
+            "class) or split them with engine.seq_parallel_group yourself",
+            sp, type(module).__name__,
+        )  # fmt: skip
     for wrapper in wrappers:
         if wrapper.spg is None:
             wrapper.spg = group
