@@ -95,7 +95,7 @@ def initialize(
     # [Note: auto values]: what an integration gave is already in cfg; the rest comes
     # from the world size and the model as the user built it.
     cfg = cfg.resolve(AutoContext(world_size=dist_ctx.dp_world_size, model=model, given=planned))
-    cfg.require_built()
+    cfg.require_built().require_agreeing_precision()
     # Errors every rank raises alike, before the first collective.
     check_monitor_packages(cfg)
     check_optimizer_arguments(cfg, optimizer, lr_scheduler)

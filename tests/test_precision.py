@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from distributed import run_ranks
 from terascale.engine.clipping import clip_grads_, global_grad_norm
@@ -173,3 +176,153 @@ def check_bf16_close_to_fp32(bf16_losses: list[float], state: dict, steps: int) 
     for k, v in ref_state.items():
         assert state[k].dtype == torch.float32
         assert (state[k] - v).abs().max() < 0.05, k
+
+
+# -- buffer dtypes ([Note: buffer dtypes]) and data_types.param_dtype -------------------------
+
+
+class _Rotary(nn.Module):
+    """A rotary-style model: its fp32 ``inv_freq`` buffer feeds the angles, and an fp32 step
+    ``count`` starts at 256, where bf16 cannot count by ones (256 + 1 rounds back to 256). The
+    model casts what it mixes, as Hugging Face models do; the engine casts neither buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+        self.register_buffer("count", torch.tensor(256.0))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))  # not floating: never cast
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.count += 1
+        self.seen += 1
+        positions = torch.arange(1, x.shape[0] + 1, dtype=self.inv_freq.dtype) * 1000
+        angles = torch.outer(positions, self.inv_freq)
+        h = self.proj(x.to(self.proj.weight.dtype))
+        h = h * torch.cat([angles.cos(), angles.sin()], dim=-1).to(h.dtype)
+        return F.mse_loss(self.head(h).float(), y)
+
+
+def _buffers_config(stage: int, buffer_dtype: str | None) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "steps_per_print": 1000,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
+    }
+    if buffer_dtype is not None:
+        config["data_types"] = {"buffer_dtype": buffer_dtype}
+    return config
+
+
+def _buffers_rank(stage: int, buffer_dtype: str | None, out_dir: str) -> dict:
+    import terascale
+
+    torch.manual_seed(0)
+    model = _Rotary()
+    inv_freq = model.inv_freq.clone()
+    # With training data the planner runs a forward before prepare_model: it casts as that does.
+    data = [(torch.randn(8), torch.randn(1)) for _ in range(8)]
+    engine, *_ = terascale.initialize(model=model, config=_buffers_config(stage, buffer_dtype), training_data=data)
+    out: dict = {
+        "params": sorted({str(p.dtype) for p in engine.module.parameters()}),
+        "buffers": {n: str(b.dtype) for n, b in engine.module.named_buffers()},
+    }
+    before = engine.full_state_dict()
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        x, y = torch.randn(8, 8, generator=gen), torch.randn(8, 1, generator=gen)
+        lo = engine.dist.dp_rank * 4
+        loss = engine(x[lo : lo + 4].bfloat16(), y[lo : lo + 4])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    after = engine.full_state_dict()
+    out["losses"] = losses
+    out["trained"] = not torch.equal(before["proj.weight"], after["proj.weight"])
+    # Values as the module holds them: the exact fp32 ones unless buffer_dtype rounded them.
+    out["inv_freq_exact"] = torch.equal(engine.module.inv_freq.float(), inv_freq)
+    out["inv_freq_rounded"] = torch.equal(engine.module.inv_freq, inv_freq.bfloat16())
+    out["count"] = engine.module.count.item()
+    out["saved"] = {n: (str(b.dtype), b.float().tolist()) for n, b in engine.module.named_buffers()}
+    engine.save_checkpoint(out_dir, tag="t")
+    engine.save_16bit_model(out_dir, "model.safetensors")
+    engine.destroy()
+    fresh, *_ = terascale.initialize(model=_Rotary(), config=_buffers_config(stage, buffer_dtype))
+    fresh.load_checkpoint(out_dir, tag="t")
+    out["loaded"] = {n: (str(b.dtype), b.float().tolist()) for n, b in fresh.module.named_buffers()}
+    return out
+
+
+@pytest.mark.parametrize("stage, world", [(0, 1), (3, 2)])
+def test_bf16_keeps_fp32_buffers_and_trains(tmp_path, stage, world):
+    from safetensors.torch import load_file
+
+    r = run_ranks(_buffers_rank, world, stage, None, str(tmp_path))[0]
+    assert r["params"] == ["torch.bfloat16"]
+    assert r["buffers"] == {"inv_freq": "torch.float32", "count": "torch.float32", "seen": "torch.int64"}
+    assert r["inv_freq_exact"] and r["trained"], r
+    assert all(math.isfinite(v) for v in r["losses"])
+    assert r["count"] == 259.0  # three forwards counted in fp32
+    # The checkpoint keeps each buffer in its dtype and loads it back into a fresh model.
+    assert r["loaded"] == r["saved"] and r["loaded"]["count"] == ("torch.float32", 259.0)
+    weights = load_file(str(tmp_path / "model.safetensors"))  # parameters 16-bit, buffers their own
+    assert {k: str(v.dtype) for k, v in weights.items()} == {
+        "proj.weight": "torch.bfloat16", "proj.bias": "torch.bfloat16", "head.weight": "torch.bfloat16",
+        "head.bias": "torch.bfloat16", "inv_freq": "torch.float32", "count": "torch.float32", "seen": "torch.int64",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("stage, world", [(0, 1), (3, 2)])
+def test_buffer_dtype_casts_floating_buffers(tmp_path, stage, world):
+    from safetensors.torch import load_file
+
+    r = run_ranks(_buffers_rank, world, stage, "bf16", str(tmp_path))[0]
+    assert r["buffers"] == {"inv_freq": "torch.bfloat16", "count": "torch.bfloat16", "seen": "torch.int64"}
+    assert r["inv_freq_rounded"] and r["trained"]
+    assert r["count"] == 256.0  # bf16 cannot count by ones there: the cast the key asked for
+    assert r["loaded"] == r["saved"]
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    assert weights["inv_freq"].dtype == torch.bfloat16 and weights["seen"].dtype == torch.int64
+
+
+def test_param_dtype_must_agree_with_the_precision_flags():
+    from terascale.config import Config, ConfigError, Given
+    from terascale.config.auto import AutoContext
+
+    base = {"train_batch_size": 1}
+    for flags, asked in ([{"bf16": {"enabled": True}}, "fp16"], [{"fp16": {"enabled": True}}, "bfloat16"],
+                         [{}, "bf16"], [{"bf16": {"enabled": True}}, "fp32"]):  # fmt: skip
+        cfg = Config.load({**base, **flags, "data_types": {"param_dtype": asked}})
+        assert cfg.unbuilt_settings() == []  # built: no longer refused as unbuilt
+        with pytest.raises(ConfigError) as err:
+            cfg.require_agreeing_precision()
+        message = str(err.value)
+        mode = next(iter(flags), "fp32")
+        assert "data_types.param_dtype" in message and mode in message, message
+        assert f"'{cfg.data_types.param_dtype}'" in message, message
+    for flags, asked in ([{"bf16": {"enabled": True}}, "bf16"], [{"fp16": {"enabled": True}}, "half"], [{}, "fp32"]):
+        Config.load({**base, **flags, "data_types": {"param_dtype": asked}}).require_agreeing_precision()
+    # Lightning's precision gives bf16.enabled where the config has none: checked once resolved.
+    cfg = Config.load({**base, "data_types": {"param_dtype": "bf16"}})
+    given = {"bf16.enabled": Given(True, "Trainer(precision)", match=False, absent=True)}
+    assert cfg.resolve(AutoContext(world_size=1, given=given)).require_agreeing_precision().bf16.enabled
+
+
+def _conflict_rank() -> str:
+    import terascale
+
+    config = {**_buffers_config(0, None), "data_types": {"param_dtype": "fp16"}}
+    try:
+        terascale.initialize(model=_Rotary(), config=config)
+    except ValueError as err:
+        return f"{type(err).__name__}: {err}"
+    return "initialized"
+
+
+def test_initialize_refuses_a_conflicting_param_dtype():
+    message = run_ranks(_conflict_rank, 1)[0]
+    assert message.startswith("ConfigError") and "data_types.param_dtype is 'fp16' but bf16.enabled" in message, message

@@ -127,16 +127,6 @@ def _above(path: str, threshold: int) -> Callable[[Config], list[str]]:
     return requests
 
 
-def _set(path: str, key: str | None = None) -> Callable[[Config], list[str]]:
-    """Settings that ask for something just by being given (not None)."""
-
-    def requests(cfg: Config) -> list[str]:
-        obj = _resolve(cfg, path)
-        return [f"{key or path}={_fmt(obj)}"] if obj is not None else []
-
-    return requests
-
-
 def _deepcompile(cfg: Config) -> list[str]:
     return ["compile.deepcompile=true"] if (cfg.compile or {}).get("deepcompile") is True else []
 
@@ -207,11 +197,6 @@ FEATURES: tuple[Feature, ...] = (
         _flags(
             "bf16", "bf16_master_weights_and_grads", "bf16_optimizer_states", "check_grad_overflow"
         ),
-    ),
-    Feature(
-        "data_types.param_dtype / buffer_dtype",
-        False,
-        _combine(_set("data_types.param_dtype"), _set("data_types.buffer_dtype")),
     ),
     Feature("flops profiler", True, _flags("flops_profiler", "enabled")),
     Feature("communication logger", True, _flags("comms_logger", "enabled")),

@@ -36,60 +36,20 @@ from terascale.config.parallel import (
     data_parallel_size,
 )
 from terascale.config.planner import PlannerConfig
+from terascale.config.precision import (
+    BOTH_PRECISIONS,
+    Bf16Config,
+    DataTypesConfig,
+    Fp16Config,
+    both_precisions_raw,
+    param_dtype_conflict,
+)
 from terascale.config.profiling import CommsLoggerConfig, FlopsProfilerConfig, TraceConfig
 from terascale.config.section import TORCH_DTYPES, DtypeName, Section, normalize_dtype_name
 from terascale.config.source import read_source
 from terascale.config.zero import AioConfig, ZeroConfig
 
 LooseSection = dict[str, Any] | None
-
-_BOTH_PRECISIONS = "fp16.enabled and bf16.enabled are both true; enable at most one of them"
-
-
-def _both_precisions_raw(data: dict[str, Any]) -> bool:
-    def enabled(section: Any) -> bool:
-        return isinstance(section, dict) and section.get("enabled") is True
-
-    bf16 = data.get("bf16", data.get("bfloat16"))
-    return enabled(data.get("fp16")) and enabled(bf16)
-
-
-class Fp16Config(Section):
-    """``fp16``: fp16 mixed precision with static (``loss_scale`` > 0) or dynamic loss scaling."""
-
-    enabled: bool = False
-    auto_cast: bool = False
-    loss_scale: float = Field(0.0, ge=0.0)
-    initial_scale_power: int = Field(16, ge=0)
-    loss_scale_window: int = Field(1000, gt=0)
-    hysteresis: int = Field(2, ge=1)
-    consecutive_hysteresis: bool = False
-    min_loss_scale: float = Field(1.0, gt=0.0)
-    fp16_master_weights_and_grads: bool = False
-    # Older DeepSpeed configs carry this; it selected a fused optimizer wrapper and has no
-    # effect on the arithmetic, so it is accepted and not acted on.
-    fused_mode: bool = True
-
-    @property
-    def dynamic_loss_scale(self) -> bool:
-        """True when the loss scale adapts to overflows (``loss_scale`` is 0)."""
-        return self.loss_scale == 0.0
-
-    @property
-    def initial_dynamic_scale(self) -> float:
-        """The first loss scale of dynamic scaling: 2 ** ``initial_scale_power``."""
-        return float(2**self.initial_scale_power)
-
-
-class Bf16Config(Section):
-    """``bf16`` (alias ``bfloat16``): bf16 mixed precision, no loss scaling."""
-
-    enabled: bool = False
-    immediate_grad_update: bool = False
-    check_grad_overflow: bool = False
-    bf16_master_weights_and_grads: bool = False
-    bf16_optimizer_states: bool = False
-
 
 class OptimizerConfig(Section):
     """``optimizer``: a name the optimizer factory resolves, and its keyword arguments."""
@@ -255,19 +215,6 @@ class CheckpointConfig(Section):
         raise ValueError(f"expected one of 'Warn', 'Ignore', 'Fail', got {value!r}")
 
 
-class DataTypesConfig(Section):
-    """``data_types``: dtypes of buffers the engine keeps (None = DeepSpeed's default)."""
-
-    grad_accum_dtype: DtypeName | None = None
-    param_dtype: DtypeName | None = None
-    buffer_dtype: DtypeName | None = None
-
-    @field_validator("grad_accum_dtype", "param_dtype", "buffer_dtype", mode="before")
-    @classmethod
-    def _dtype(cls, value: Any) -> Any:
-        return normalize_dtype_name(value)
-
-
 class Config(Section):
     """A training config; see the module docstring. Build one with :meth:`Config.load`."""
 
@@ -407,7 +354,7 @@ class Config(Section):
     @model_validator(mode="after")
     def _one_precision(self) -> Config:
         if self.fp16.enabled and self.bf16.enabled:
-            raise ValueError(_BOTH_PRECISIONS)
+            raise ValueError(BOTH_PRECISIONS)
         return self
 
     # What loading saw besides the typed values (see [Note: auto values]).
@@ -448,7 +395,7 @@ class Config(Section):
         except ValidationError as err:
             # pydantic skips whole-model checks when a field fails; run the one that matters
             # on the raw dict so the user still sees every problem in one pass.
-            extra = [_BOTH_PRECISIONS] if _both_precisions_raw(data) else []
+            extra = [BOTH_PRECISIONS] if both_precisions_raw(data) else []
             raise from_validation_error(cls, err, source=label, extra=extra) from None
 
     def resolve(self, context: AutoContext) -> Config:
@@ -547,6 +494,13 @@ class Config(Section):
         return torch.float32
 
     @property
+    def buffer_dtype(self) -> torch.dtype | None:
+        """dtype floating buffers are cast to (``data_types.buffer_dtype``), or None: each
+        keeps its own ([Note: buffer dtypes] in ``terascale/config/precision.py``)."""
+        name = self.data_types.buffer_dtype
+        return TORCH_DTYPES[name] if name else None
+
+    @property
     def grad_accum_dtype(self) -> torch.dtype:
         """dtype gradients accumulate in across micro-steps (``data_types``; default fp32)."""
         return TORCH_DTYPES[self.data_types.grad_accum_dtype or "fp32"]
@@ -611,6 +565,16 @@ class Config(Section):
         problems = self.unbuilt_settings()
         if problems:
             raise ConfigError(problems)
+        return self
+
+    def require_agreeing_precision(self) -> Config:
+        """Raise ConfigError when ``data_types.param_dtype`` names another dtype than fp16/bf16
+        choose ([Note: param_dtype names the mode]). For the resolved config, at initialize:
+        until then an integration may still give the flags (Lightning's ``precision`` fills
+        ``bf16.enabled`` where the config has none). Returns ``self``."""
+        problem = param_dtype_conflict(self.data_types.param_dtype, self.fp16.enabled, self.bf16.enabled)
+        if problem:
+            raise ConfigError(problem, source=self._label)
         return self
 
 

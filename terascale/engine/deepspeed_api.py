@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from terascale.engine.export import in_compute_dtype
+from terascale.engine.export import buffer_dtypes, in_compute_dtype
 from terascale.errors import UsageError
 
 if TYPE_CHECKING:
@@ -363,15 +363,17 @@ class DeepSpeedEngineAPI:
     def _zero3_consolidated_16bit_state_dict(
         self: Engine, exclude_frozen_parameters: bool = False
     ) -> dict[str, torch.Tensor] | None:
-        """The full weights in the compute dtype on CPU on global rank 0, None on the others
-        (collective: every rank calls it), as the Hugging Face and accelerate savers use it."""
+        """The full weights in the compute dtype (buffers in theirs) on CPU on global rank 0,
+        None on the others (collective: every rank calls it), as the Hugging Face and
+        accelerate savers use it."""
         full = self.full_state_dict()
+        buffers = buffer_dtypes(self)  # collective under pipeline parallelism
         if self.global_rank != 0:
             return None
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
             full = {n: t for n, t in full.items() if n not in frozen}
-        return in_compute_dtype(self, full)
+        return in_compute_dtype(self, full, buffers)
 
     def save_fp16_model(self: Engine, save_dir: Any, save_filename: str = "pytorch_model.bin") -> bool:
         """DeepSpeed's older name of :meth:`save_16bit_model`."""

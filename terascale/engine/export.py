@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from terascale.comm import DistributedContext
+from terascale.comm import ops as comm_ops
 from terascale.config import Config
 from terascale.engine.precision import PrecisionPolicy
 
@@ -57,15 +58,36 @@ def save_pretrained(engine: Exporting, save_dir: str | Path, **kwargs: Any) -> N
     engine.write_on_ranks(write if engine.dist.rank == 0 else None, f"save_pretrained to {save_dir}")
 
 
-def in_compute_dtype(engine: Exporting, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` (a full state dict) with its floating tensors in the engine's compute
-    dtype: the weights a 16-bit save writes."""
+def buffer_dtypes(engine: Exporting) -> dict[str, torch.dtype]:
+    """The dtype the model holds each buffer in, by name, every pipeline stage's (collective
+    over the pipeline group): ``full_state_dict`` gives them all in fp32."""
+    held = {name: b.dtype for name, b in engine.module.named_buffers()}
+    if engine.dist.pp_world_size > 1:
+        stages: list[Any] = [None] * engine.dist.pp_world_size
+        comm_ops.all_gather_object(stages, held, group=engine.dist.pp_group)
+        held = {name: dtype for stage in stages for name, dtype in stage.items()}
+    return held
+
+
+def in_compute_dtype(
+    engine: Exporting, state: dict[str, torch.Tensor], buffers: dict[str, torch.dtype]
+) -> dict[str, torch.Tensor]:
+    """``state`` (a full state dict) as the model holds it, the weights a 16-bit save writes:
+    floating parameters in the engine's compute dtype, each buffer in its own dtype
+    (``buffers``, from :func:`buffer_dtypes`: [Note: buffer dtypes])."""
     dtype = engine.precision.compute_dtype
-    return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
+
+    def held(name: str, t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point():
+            return t.contiguous()
+        return t.to(buffers.get(name, dtype)).contiguous()
+
+    return {k: held(k, v) for k, v in state.items()}
 
 
 def save_16bit_model(engine: Exporting, save_dir: str | Path, save_filename: str = "pytorch_model.bin") -> bool:
-    """Write the model's weights in the compute dtype to ``save_dir/save_filename`` (rank 0).
+    """Write the model's weights in the compute dtype (buffers in theirs) to
+    ``save_dir/save_filename`` (rank 0).
 
     Collective. ``.safetensors`` names are written with safetensors, others with
     ``torch.save``, atomically (a failed write leaves an earlier file intact). At ZeRO
@@ -79,7 +101,7 @@ def save_16bit_model(engine: Exporting, save_dir: str | Path, save_filename: str
             "zero_optimization.stage3_gather_16bit_weights_on_model_save to true"
         )
         return False
-    state = in_compute_dtype(engine, engine.full_state_dict())
+    state = in_compute_dtype(engine, engine.full_state_dict(), buffer_dtypes(engine))
     path = Path(save_dir) / save_filename
 
     def write() -> None:

@@ -6,6 +6,9 @@ the optimizer steps fp32 copies ("masters"); after each step the masters are cop
 into the model. With fp32 the masters are the model's own parameters, so no memory is
 spent twice. The optimizer the user receives from ``initialize`` steps the masters and
 keeps the user's param-group structure (learning rates, weight decay per group).
+
+Buffers are not cast with the parameters: see ``[Note: buffer dtypes]`` in
+``terascale/config/precision.py``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ class PrecisionPolicy:
 
     compute_dtype: torch.dtype = torch.float32
     master_dtype: torch.dtype = torch.float32
+    # None: buffers keep their own dtype ([Note: buffer dtypes]).
+    buffer_dtype: torch.dtype | None = None
 
     @property
     def has_separate_masters(self) -> bool:

@@ -6,9 +6,10 @@ before it (torchtitan's ``parallelize_llama`` reads the same way):
 
 1. tensor parallelism (``tensor_parallel.autotp_size``) slices layers first: every later
    step sees the parameters this rank holds, not the unsliced ones;
-2. the module is cast to the compute dtype on this rank's device, its MoE layers get their
-   expert-parallel groups, and rank 0's values are broadcast over the data-parallel group
-   (an expert's over the ranks that replicate it), whatever each process's seed did; then
+2. the module's parameters are cast to the compute dtype on this rank's device (buffers
+   keep theirs: [Note: buffer dtypes]), its MoE layers get their expert-parallel groups,
+   and rank 0's values are broadcast over the data-parallel group (an expert's over the
+   ranks that replicate it), whatever each process's seed did; then
    sequence parallelism and tiling switch its attention, forward and MLPs
    (``terascale.parallel.sequence.model``: module-level changes, parameters untouched);
 3. tiling (``zero_optimization.tile_linear_above``) replaces big ``nn.Linear`` layers and
@@ -40,6 +41,7 @@ from torch import nn
 from terascale.comm import DistributedContext, ReducePolicy
 from terascale.comm.sparse import sparse_gradient_params
 from terascale.config import Config
+from terascale.config.precision import cast_module
 from terascale.config.section import TORCH_DTYPES
 from terascale.engine.activations import EngineActivations
 from terascale.engine.experts import (
@@ -105,8 +107,8 @@ def prepare_model(
         after = dict(module.named_parameters())
         sliced = {id(p): after[n] for n, p in before if n in after and after[n] is not p}
 
-    precision = PrecisionPolicy(compute_dtype=config.compute_dtype)
-    module.to(device=dist_ctx.device, dtype=precision.compute_dtype)
+    precision = PrecisionPolicy(compute_dtype=config.compute_dtype, buffer_dtype=config.buffer_dtype)
+    cast_module(module, precision.compute_dtype, precision.buffer_dtype, dist_ctx.device)
     experts, split = setup_experts(module, dist_ctx, config.expert_parallel)
     sliced.update(split)  # Hugging Face experts replaced by this rank's share
     if dist_ctx.sp_world_size > 1 and experts.groups:

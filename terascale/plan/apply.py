@@ -151,8 +151,9 @@ def _measure(model: nn.Module, cfg: Config, world: int, local_ranks: int, sample
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     measured = sample is not None
     profile = profile_model(
-        model, wrap=wrap, compute_dtype=cfg.compute_dtype, sample=sample, call=call, cast=cast and measured,
-        timing=measured, batch_timing=measured and "train_micro_batch_size_per_gpu" in cfg.auto_keys,
+        model, wrap=wrap, compute_dtype=cfg.compute_dtype, buffer_dtype=cfg.buffer_dtype, sample=sample, call=call,
+        cast=cast and measured, timing=measured,
+        batch_timing=measured and "train_micro_batch_size_per_gpu" in cfg.auto_keys,
     )  # fmt: skip
     if timed or measured:
         host_adam_rate()  # the optimizer's first step loads its kernels: part of the runtime, measured below

@@ -11,8 +11,9 @@ The planner sees the model as the user built it, before ``prepare_model``:
   ``training_data``) under :class:`~terascale.activation.measure.SavedBytes`, which counts
   what autograd keeps for backward, block by block, and a pre-hook on each block that
   counts its inputs (what ``blocks`` checkpointing keeps instead). The forward runs in the
-  compute dtype: the model is cast first, as ``prepare_model``'s step 2 would cast it
-  ([Note: the order of model preparation]). It takes a few milliseconds for the small
+  compute dtype: the model's parameters are cast first, as ``prepare_model``'s step 2
+  would cast them ([Note: the order of model preparation]; buffers as [Note: buffer
+  dtypes] says). It takes a few milliseconds for the small
   models of the tests, a fraction of a step for any model; the graph is dropped at once.
   Its time per sample gives the compute term of the step-time shape;
 - without a sample (no ``training_data``), a model on the meta device or one that
@@ -35,6 +36,7 @@ from torch import nn
 
 from terascale.activation.estimate import estimate_activations
 from terascale.activation.measure import SavedBytes
+from terascale.config.precision import cast_module
 from terascale.zero.gather import full_numel
 from terascale.zero.tiling import tiles_of
 from terascale.zero.wrap import WrapPolicy, plan_groups, wrapped_modules
@@ -119,6 +121,7 @@ def profile_model(
     *,
     wrap: WrapPolicy | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    buffer_dtype: torch.dtype | None = None,
     sample: Any = None,
     call: Callable[[nn.Module, Any], Any] | None = None,
     cast: bool = True,
@@ -130,8 +133,9 @@ def profile_model(
     ``sample`` is one batch of one sample (None: no measurement); ``call(model, sample)``
     runs the forward (default: ``model(**sample)`` for a dict, ``model(*sample)`` for a
     tuple or list, else ``model(sample)``). ``cast`` lets the planner cast a materialised
-    model to ``compute_dtype`` in place before measuring (``prepare_model`` would cast it
-    next anyway); without it the measurement runs in the model's own dtype.
+    model's parameters to ``compute_dtype`` (its buffers to ``buffer_dtype`` where given) in
+    place before measuring (``prepare_model`` would cast it next anyway); without it the
+    measurement runs in the model's own dtypes.
     ``timing``: time the forward (only a choice between plans needs it; a check needs the
     bytes alone); ``batch_timing``: also time a forward of ``TIMED_BATCH`` samples (the
     cost per call, which only the choice of a micro-batch needs).
@@ -143,8 +147,8 @@ def profile_model(
     group_of = {id(p): g for g, plan in enumerate(plans) for p in plan.params}
     infos = tuple(ParamInfo(full_numel(p), p.requires_grad, group_of.get(id(p), 0)) for p in params)
     materialized = all(p.device.type != "meta" and p.numel() == full_numel(p) for p in params)
-    if materialized and cast and any(p.is_floating_point() and p.dtype != compute_dtype for p in params):
-        model.to(dtype=compute_dtype)
+    if materialized and cast:
+        cast_module(model, compute_dtype, buffer_dtype)  # as prepare_model does: [Note: buffer dtypes]
     resident = 0
     if materialized:
         tensors = {t.untyped_storage().data_ptr(): t for t in [*params, *model.buffers()] if t.device.type == "cpu"}
