@@ -255,3 +255,17 @@ def test_tiled_compute_and_safe_set_full_grad() -> None:
     safe_set_local_fp32_param(model.weight, torch.arange(8.0))  # one rank: its part is the whole
     assert torch.equal(safe_get_local_fp32_param(model.weight), torch.arange(8.0))
     assert torch.equal(model.weight.detach().reshape(-1), torch.arange(8.0))
+
+
+def test_zero3_linear_is_torch_linear_under_autocast_and_torch_func() -> None:
+    from terascale.integrations.deepspeed.zero_linear import LinearModuleForZeroStage3, zero3_linear_wrap
+
+    torch.manual_seed(0)
+    layer, ref = LinearModuleForZeroStage3(4, 3), nn.Linear(4, 3)
+    ref.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 4)
+    assert torch.equal(layer(x), ref(x)) and layer(x).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.bfloat16  # the autocast dtype, as DeepSpeed's
+    grad = torch.func.grad(lambda w: zero3_linear_wrap(x, w, layer.bias).sum())(layer.weight)
+    torch.testing.assert_close(grad, x.sum(0).expand(3, 4))

@@ -136,6 +136,7 @@ MODULES: dict[str, dict[str, str] | str] = {
     "runtime.zero": _ZERO,
     "runtime.zero.partition_parameters": {
         **_ZERO, **{n: f"{_UTILS}:{n}" for n in ("zero_wrapper_for_fp_tensor_constructor", "_orig_torch_arange")}},
+    "runtime.zero.linear": f"{_DS}.zero_linear",
     "runtime.zero.offload_config": {n: f"{_ENGINE_API}:{n}" for n in ("OffloadDeviceEnum", "OffloadStateTypeEnum")},
     "runtime.pipe": _PIPE,
     "runtime.pipe.module": _PIPE,
