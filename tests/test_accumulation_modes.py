@@ -116,7 +116,7 @@ def _refusals_rank() -> dict:
 
     out: dict = {}
     x, y = make_data(1, 4)
-    cfg = config(1, Case(gas=2, stage=2))
+    cfg = config(1, Case(gas=2, stage=1))  # stage 1: no_sync is allowed there, so the mixed blocks nest
     engine, *_ = terascale.initialize(model=make_model(), config=cfg)
     with engine.coalesce_grad_reduction():
         engine.backward(engine(x[0, :2], y[0, :2]))
@@ -129,6 +129,12 @@ def _refusals_rank() -> dict:
                 pass
         except ValueError as exc:
             out["nested"] = str(exc)
+    for outer, inner in ((engine.no_sync, engine.coalesce_grad_reduction), (engine.coalesce_grad_reduction, engine.no_sync)):
+        try:
+            with outer(), inner():
+                pass
+        except AssertionError as exc:  # a UsageError: DeepSpeed asserts here
+            out.setdefault("mixed", []).append(str(exc))
     engine.destroy()
     engine, *_ = terascale.initialize(model=make_model(), config={**cfg, "managed_gradient_accumulation": False})
     try:
@@ -152,8 +158,9 @@ def _refusals_rank() -> dict:
 def test_refusals_and_counters() -> None:
     (out,) = run_ranks(_refusals_rank, 1)
     assert "call engine.step() after the with-block" in out["step_inside"]
-    assert "inside another one" in out["nested"]
+    assert "nested in another one" in out["nested"]
     assert "every engine.step() ends the accumulation window already" in out["boundary"]
+    assert len(out["mixed"]) == 2 and all("nested in" in m for m in out["mixed"]), out["mixed"]
     assert "managed_gradient_accumulation false" in out["coalesce_unmanaged"]
     assert out["samples"] == 2 * MICRO
 

@@ -273,8 +273,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
             raise UsageError(f"engine.step(): {FORWARD_ONLY}")
         if self._train.deferring:
             raise UsageError(
-                "engine.step() inside engine.coalesce_grad_reduction(): the block is one accumulation window, "
-                "reduced when it exits; call engine.step() after the with-block"
+                "engine.step() inside engine.coalesce_grad_reduction() (a no_sync block): the block is one "
+                "accumulation window, reduced when it exits; call engine.step() after the with-block"
             )
         with self._train.stepping():  # the boundary, where the caller owns the windows
             if not self.is_gradient_accumulation_boundary():

@@ -56,6 +56,7 @@ class TrainState:
         self.managed = managed  # False: every engine.step() ends a window (managed_gradient_accumulation)
         self.in_step = False  # engine.step() is running (the boundary when not managed)
         self.deferring = False  # inside engine.coalesce_grad_reduction()
+        self.in_no_sync = False  # inside engine.no_sync()
         self.synced = False  # the window's last backward reduced its gradients
         self.window_backwards = 0  # backwards in the current window
         self.global_steps = 0
