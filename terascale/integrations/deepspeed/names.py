@@ -44,6 +44,7 @@ _UTILS = f"{_DS}.utils"
 _PARAMS = f"{_DS}.params"
 _ACCEL = f"{_DS}.accelerator"
 _ENGINE_API = "terascale.engine.deepspeed_api"
+_VISION = "terascale.parallel.sequence.vision"
 
 _ACCELERATOR = {
     "get_accelerator": f"{_ACCEL}:get_accelerator",
@@ -198,6 +199,20 @@ MODULES: dict[str, dict[str, str] | str] = {
     "moe.sharded_moe": {n: f"terascale.moe.layer:{n}" for n in ("TopKGate", "MOELayer")},
     "sequence": {},
     "sequence.layer": {"DistributedAttention": "terascale.parallel.sequence.attention:DistributedAttention"},
+    # AutoSP (multimodal): vision attention over sharded patches, fusion adapters at the projection.
+    "sequence.auto_sp": {"auto_wrap_model_for_sp": f"{_VISION}:auto_wrap_model_for_sp"},
+    "sequence.autosp_vit": {"UlyssesSPViTAttention": f"{_VISION}:UlyssesSPViTAttention"},
+    "sequence.autosp_detector": {
+        "SPModelInfo": f"{_VISION}:SPModelInfo",
+        "detect_model_sp_info": f"{_VISION}:detect_model_sp_info",
+        # DeepSpeed's registries, read-only here (extend through the functions' arguments).
+        "_VIT_ATTN_CLASSNAMES": f"{_VISION}:VISION_ATTENTION_NAMES",
+        "_VIT_HAS_CLS_TOKEN": f"{_VISION}:VISION_ATTENTION",
+        "_LLM_ATTN_CLASSNAMES": f"{_VISION}:LANGUAGE_ATTENTION",
+        "_VISION_PROJ_KEYWORDS": f"{_VISION}:PROJECTION_KEYWORDS",
+    },
+    "sequence.autosp_fusion": {n: f"terascale.parallel.sequence.fusion:{n}" for n in (
+        "ModalityFusionSPAdapter", "LlavaFusionAdapter", "InternVLFusionAdapter", "Qwen2VLFusionAdapter")},
     "runtime.sequence_parallel": {},
     "runtime.sequence_parallel.ulysses_sp": {n: f"{_DS}.ulysses:{n}" for n in (
         "UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter", "TiledMLP", "sequence_tiled_compute",
