@@ -27,6 +27,7 @@ import torch
 from terascale.comm import DistributedContext
 from terascale.config import Config
 from terascale.engine import Engine, PreparedModel
+from terascale.errors import UsageError
 from terascale.pipe.module import PipelineModule
 from terascale.pipe.p2p import Partitioning, Payload
 from terascale.pipe.runner import PipelineRunner
@@ -39,9 +40,10 @@ class PipelineEngine(Engine):
 
     def __init__(self, prepared: PreparedModel, config: Config, dist_ctx: DistributedContext, **kwargs: Any) -> None:
         if not config.managed_gradient_accumulation:
-            raise ValueError(
-                "managed_gradient_accumulation false with a PipelineModule: a pipeline's train_batch runs "
-                "gradient_accumulation_steps micro-batches as one window; remove the key"
+            raise UsageError(
+                "managed_gradient_accumulation false is not supported with pipeline parallelism: a "
+                "PipelineModule's train_batch runs gradient_accumulation_steps micro-batches as one window; "
+                "remove the key"
             )
         super().__init__(prepared, config, dist_ctx, **kwargs)
         module = self.module
