@@ -44,24 +44,15 @@ from torch.autograd.graph import get_gradient_edge
 
 
 class _Entry(torch.autograd.Function):
-    """Identity on the engine's output tensors; its backward is :meth:`DirectBackward.entered`.
-
-    Written with ``setup_context`` (and a generated vmap rule) so that ``torch.func``
-    transforms run through the engine (``torch.func.grad(lambda x: engine(x))``): such a
-    backward accumulates into no parameter, so :meth:`DirectBackward.entered` passes it by."""
-
-    generate_vmap_rule = True
+    """Identity on the engine's output tensors; its backward is :meth:`DirectBackward.entered`."""
 
     @staticmethod
-    def forward(owner: DirectBackward, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, owner: DirectBackward, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.owner = owner
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not zeros
         # Aliases, not views: a view made in a custom Function may not be modified in
         # place, and scripts do modify outputs (the Trainer's ``loss *= world``).
         return tuple(t.detach() for t in tensors)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.owner = inputs[0]
-        ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not zeros
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
@@ -140,7 +131,7 @@ class DirectBackward:
             try:
                 if torch._C._will_engine_execute_node(get_gradient_edge(p).node):
                     return True
-            except (RuntimeError, AttributeError):  # a leaf under torch.autograd.grad or torch.func.grad
+            except RuntimeError:  # asked about a leaf under torch.autograd.grad
                 return False
         return False
 
