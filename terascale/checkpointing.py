@@ -119,8 +119,19 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return _current().checkpoint(function, *args, **kwargs)
 
 
-# DeepSpeed's name for its non-reentrant variant: terascale's checkpoint is non-reentrant.
-non_reentrant_checkpoint = checkpoint
+def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """DeepSpeed's name for the non-reentrant form, which :func:`checkpoint` is too. A
+    function of its own, not an alias, because DeepSpeed's pipeline tells the two forms
+    apart by identity: a ``PipelineModule`` whose ``activation_checkpoint_func`` is this one
+    checkpoints without re-entering backward (``pipeline.use_reentrant: false``)."""
+    return _current().checkpoint(function, *args, **kwargs)
+
+
+def reentrant_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """:func:`checkpoint` in torch's reentrant form (the forward under ``no_grad``, a nested
+    backward around the recompute), with the same RNG replay and input placement: what
+    DeepSpeed's ``checkpoint`` is, and a pipeline's default (``pipeline.use_reentrant``)."""
+    return _current().run(function, args, kwargs, reentrant=True)
 
 
 def checkpoint_sequential(functions: nn.Sequential | Sequence[Callable], segments: int, input: Any, **kwargs: Any) -> Any:
@@ -160,5 +171,7 @@ __all__ = [
     "is_configured",
     "model_parallel_cuda_manual_seed",
     "model_parallel_manual_seed",
+    "non_reentrant_checkpoint",
+    "reentrant_checkpoint",
     "reset",
 ]

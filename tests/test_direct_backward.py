@@ -204,3 +204,64 @@ def test_a_backward_around_the_engine_is_refused_with_what_to_call() -> None:
     (message,) = run_ranks(_module_backward_rank, 1)
     assert "no backward of this accumulation window went through the engine" in message
     assert "engine.module(batch)" in message and "engine.backward(loss)" in message
+
+
+def _torch_func_rank(stage: int) -> list[tuple[list[float], dict, list[float]]]:
+    """torch.func.grad and kin through the engine, between each backward and its step
+    ([Note: torch.func through the engine]); with ``probe`` the window's last backward is
+    also a direct backward of a vmapped forward."""
+    import os
+
+    from torch.func import grad, grad_and_value, jacrev, vmap
+
+    import terascale
+
+    rank = int(os.environ["RANK"])
+    gas = 3  # a transform's gradient scaled by 1/steps would show
+    out = []
+    for probe in (False, True):
+        engine, *_ = terascale.initialize(model=make_model(), config=_config(stage, gas))
+        x, y = make_data(STEPS, MICRO * gas * WORLD)
+        losses, errors = [], []
+        for s in range(STEPS):
+            for m in range(gas):
+                lo = (m * WORLD + rank) * MICRO
+                xs, ys = x[s, lo : lo + MICRO], y[s, lo : lo + MICRO]
+                if probe and m == gas - 1:
+                    # Per-sample losses through vmap; their mean is the batch's loss.
+                    per_sample = vmap(lambda xi, yi: engine(xi[None], yi[None]))(xs, ys)
+                    loss = per_sample.mean()
+                    loss.backward()
+                else:
+                    loss = engine(xs, ys)
+                    engine.backward(loss)
+                losses.append(loss.item())
+                if probe:
+                    plain = make_model()
+                    plain.load_state_dict(engine.full_state_dict())
+                    for transform in (grad, jacrev, lambda f: lambda v: grad_and_value(f)(v)[0]):
+                        got = transform(lambda v: engine(v, ys))(xs)
+                        want = transform(lambda v: plain(v, ys))(xs)
+                        errors.append((got - want).abs().max().item())
+                    each = vmap(grad(lambda xi, yi: engine(xi[None], yi[None])))(xs, ys)
+                    plain_each = vmap(grad(lambda xi, yi: plain(xi[None], yi[None])))(xs, ys)
+                    errors.append((each - plain_each).abs().max().item())
+                engine.step()
+        assert engine.global_steps == STEPS and engine.micro_steps == STEPS * gas
+        out.append((losses, engine.full_state_dict(), errors))
+        engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_torch_func_through_the_engine_is_the_plain_modules(stage: int) -> None:
+    """torch.func.grad, jacrev, grad_and_value and vmap(grad) through the engine give the
+    plain module's input gradients (unscaled by the accumulation steps), and calling them
+    between a backward and its step changes no training; a vmapped forward's direct
+    backward trains as engine.backward (at ZeRO-3 the transforms gather groups that must
+    not outlive the update)."""
+    for (losses, state, _), (probed, probed_state, errors) in run_ranks(_torch_func_rank, WORLD, stage):
+        assert errors and max(errors) < 1e-5
+        assert probed == pytest.approx(losses, rel=1e-5)
+        for k, v in state.items():
+            torch.testing.assert_close(probed_state[k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -13,6 +13,15 @@ things around it:
 - ``selective``: torch's selective checkpointing keeps the outputs of matrix products
   and attention and recomputes only the cheap operations between them.
 
+``reentrant`` runs torch's reentrant checkpoint instead (DeepSpeed's pipeline default,
+``pipeline.use_reentrant``): the forward under ``no_grad``, the recompute and a nested
+backward inside the outer one. The same input store holds its inputs (the reentrant form
+saves exactly them, with ``save_for_backward``) and the same RNG replay runs around its
+recompute (every call of the function after the first is one). It computes a gradient
+only through inputs that require one; when none does (a pipeline's first stage) it is
+given aliases of them that do, or the block's parameters would get no gradient, and
+where no input is a floating tensor (token ids) the non-reentrant form runs instead.
+
 ZeRO-3 needs nothing special from here: a recompute is a forward *inside* backward, so
 the gather schedule keeps the groups it gathers for the backward that follows and the
 trace records the recompute in its backward position ([Note: gather schedule]).
@@ -61,6 +70,14 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> torch_che
     if op in SAVED_BY_SELECTIVE:
         return torch_checkpoint.CheckpointPolicy.MUST_SAVE
     return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _alias_requiring_grad(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s data as a leaf that requires a gradient (floating tensors only); the gradient
+    it gets is dropped."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return t
+    return t.detach().requires_grad_(True)
 
 
 @dataclass
@@ -150,10 +167,12 @@ class ActivationCheckpointing:
         *,
         label: str = "checkpoint",
         selective: bool = False,
+        reentrant: bool = False,
     ) -> Any:
         """Run ``function`` checkpointed (under ``no_grad`` it just runs: nothing is saved)."""
         if not torch.is_grad_enabled():
             return function(*args, **kwargs)
+        assert not (selective and reentrant), "torch's reentrant checkpoint has no selective form"
         keys = list(kwargs)
         n = len(args)
 
@@ -161,6 +180,9 @@ class ActivationCheckpointing:
             return function(*flat[:n], **dict(zip(keys, flat[n:])))
 
         snapshot = RNGSnapshot.take(self.device, self.tracker)
+        inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        if reentrant and any(t.requires_grad or t.is_floating_point() or t.is_complex() for t in inputs):
+            return self._run_reentrant(call, [*args, *(kwargs[k] for k in keys)], label, snapshot)
 
         def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
             forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
@@ -170,7 +192,6 @@ class ActivationCheckpointing:
             return forward, self._recomputing(label, snapshot, recompute)
 
         start = self._boundary()
-        inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         versions = [t._version for t in inputs]
         with self.store.hooks(label):
             out = torch_checkpoint.checkpoint(
@@ -178,6 +199,39 @@ class ActivationCheckpointing:
                 use_reentrant=False, preserve_rng_state=False, context_fn=contexts,
             )  # fmt: skip
         if label not in self._warned_in_place and any(t._version != v for t, v in zip(inputs, versions)):
+            self._warn_in_place(label)
+        if self.profile:
+            self.times[label].forward_s += self._boundary() - start
+        elif self.synchronize:
+            self._boundary()
+        return out
+
+    def _run_reentrant(self, call: Callable[..., Any], flat: list[Any], label: str, snapshot: RNGSnapshot) -> Any:
+        calls = 0
+        changes_inputs = False
+
+        def replayed(*a: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:  # the forward; every later call is a recompute in a backward
+                return call(*a)
+            if changes_inputs:
+                # The recompute gets leaves that require a gradient, which an in-place
+                # first operation (ReLU(inplace=True)) may not change: give it copies,
+                # through which the gradient still reaches them.
+                a = tuple(t.clone() if isinstance(t, torch.Tensor) and t.requires_grad else t for t in a)
+            with self._recomputing(label, snapshot, contextlib.nullcontext()):
+                return call(*a)
+
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        if not any(t.requires_grad for t in tensors):
+            flat = [_alias_requiring_grad(t) if isinstance(t, torch.Tensor) else t for t in flat]
+        start = self._boundary()
+        versions = [t._version for t in tensors]
+        with self.store.hooks(label):
+            out = torch_checkpoint.checkpoint(replayed, *flat, use_reentrant=True, preserve_rng_state=False)
+        changes_inputs = any(t._version != v for t, v in zip(tensors, versions))
+        if label not in self._warned_in_place and changes_inputs:
             self._warn_in_place(label)
         if self.profile:
             self.times[label].forward_s += self._boundary() - start

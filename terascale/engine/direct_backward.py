@@ -23,7 +23,9 @@ separate branch per output does not). In its backward the node:
   factor. Backpropagation is linear, so scaling there equals scaling the loss (exactly
   for a power-of-two loss scale, within rounding for the division by the steps);
 - in ``torch.autograd.grad`` (a gradient penalty), which accumulates into no parameter,
-  does nothing: it is not a training backward.
+  does nothing: it is not a training backward; nor in the backward of a ``torch.func``
+  gradient transform (``torch.func.grad(engine)``: [Note: torch.func through the engine]
+  in ``terascale/zero/func_transforms.py``).
 
 With fp16 the loss scale is applied at the model's outputs; a loss computed outside the
 model from fp16 outputs may underflow before it gets there, so such scripts scale it
@@ -42,17 +44,29 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
+from terascale.zero.func_transforms import outside_transforms, transforms_active
+
 
 class _Entry(torch.autograd.Function):
-    """Identity on the engine's output tensors; its backward is :meth:`DirectBackward.entered`."""
+    """Identity on the engine's output tensors; its backward is :meth:`DirectBackward.entered`.
+
+    In the form with ``setup_context`` (forward without ``ctx``), which ``torch.func``
+    transforms require of a Function; its forward is pure (aliases), so the transforms can
+    derive its ``vmap`` rule themselves ([Note: torch.func through the engine]).
+    """
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, owner: DirectBackward, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.owner = owner
-        ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not zeros
+    def forward(owner: DirectBackward, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # Aliases, not views: a view made in a custom Function may not be modified in
         # place, and scripts do modify outputs (the Trainer's ``loss *= world``).
         return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.owner = inputs[0]
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not zeros
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
@@ -91,7 +105,11 @@ class DirectBackward:
         if not torch.is_grad_enabled():
             return output
         tensors: dict[int, torch.Tensor] = {}
-        _collect(output, tensors)
+        # Under a torch.func transform the tensors seen here are the transform's wrappers,
+        # which hide the level-0 graph (a vmapped output shows no grad_fn), yet a backward
+        # of what the transform returns is a training one: wrap every floating tensor; the
+        # node is recorded only where the raw tensor needs a gradient.
+        _collect(output, tensors, every=transforms_active())
         if not tensors:
             return output
         aliases = dict(zip(tensors, _Entry.apply(self, *tensors.values())))
@@ -126,13 +144,19 @@ class DirectBackward:
         return tuple(None if g is None else g * m for g in grads)
 
     def _accumulates(self) -> bool:
-        """Whether the running backward accumulates into a trainable parameter's ``.grad``."""
-        for p in self._params:
-            try:
-                if torch._C._will_engine_execute_node(get_gradient_edge(p).node):
-                    return True
-            except RuntimeError:  # asked about a leaf under torch.autograd.grad
-                return False
+        """Whether the running backward accumulates into a trainable parameter's ``.grad``.
+
+        False in a ``torch.func`` transform's backward (it differentiates with respect to
+        its own wrapped tensors), True in a level-0 backward of what a transform returned.
+        The parameters' gradient edges are read outside the transforms: inside one,
+        ``get_gradient_edge`` would see a wrapper of the parameter, which has no edge."""
+        with outside_transforms():
+            for p in self._params:
+                try:
+                    if torch._C._will_engine_execute_node(get_gradient_edge(p).node):
+                        return True
+                except RuntimeError:  # asked about a leaf under torch.autograd.grad
+                    return False
         return False
 
     def _begin(self, task: int) -> None:
@@ -155,16 +179,16 @@ class DirectBackward:
             opened.close()
 
 
-def _collect(obj: Any, out: dict[int, torch.Tensor]) -> None:
+def _collect(obj: Any, out: dict[int, torch.Tensor], every: bool = False) -> None:
     if isinstance(obj, torch.Tensor):
-        if obj.grad_fn is not None:
+        if obj.grad_fn is not None or (every and (obj.is_floating_point() or obj.is_complex())):
             out.setdefault(id(obj), obj)
     elif isinstance(obj, (list, tuple)):
         for o in obj:
-            _collect(o, out)
+            _collect(o, out, every)
     elif isinstance(obj, dict):
         for o in obj.values():
-            _collect(o, out)
+            _collect(o, out, every)
 
 
 def _replace(obj: Any, aliases: dict[int, torch.Tensor]) -> Any:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from terascale.checkpointing import non_reentrant_checkpoint, reentrant_checkpoint
 from terascale.comm import DistributedContext
 from terascale.config import Config
 from terascale.engine import Engine, PreparedModel
@@ -61,6 +62,13 @@ class PipelineEngine(Engine):
         )
         self._running = False
         self._train_data: Iterator[Any] | None = None
+        # pipeline.use_reentrant picks the checkpoint form, whatever the interval now: the
+        # module's set_checkpoint_interval can turn checkpointing on later. False replaces
+        # the module's function, as DeepSpeed does; True keeps one the module was given.
+        if not config.pipeline.use_reentrant:
+            module.activation_checkpoint_func = non_reentrant_checkpoint
+        elif module.activation_checkpoint_func is None:
+            module.activation_checkpoint_func = reentrant_checkpoint
 
     # -- batches --------------------------------------------------------------------------------
 
@@ -102,6 +110,12 @@ class PipelineEngine(Engine):
             micro_batches = self.gradient_accumulation_steps()
             loss, logits = self._runner.evaluate(self, data_iter, micro_batches, compute_loss, return_logits)
         return (loss, logits) if return_logits else loss
+
+    def _reentrant_activation_checkpointing(self) -> bool:
+        """Whether the module checkpoints with a reentrant function (DeepSpeed's private
+        name, which scripts and DeepSpeed's tests read); see
+        :meth:`PipelineModule.checkpoints_reentrantly`."""
+        return self.module.checkpoints_reentrantly()
 
     def pipeline_stats(self) -> dict[str, float]:
         """This stage's timing of the last train/eval batch: ``step_s`` (wall time of the

@@ -48,8 +48,12 @@ class PipelineModule(nn.Module):
     ``"parameters"``, ``"uniform"`` or ``"type:REGEX"``; ``virtual_stages`` model chunks
     per stage select the interleaved schedule. ``activation_checkpoint_interval=k``
     checkpoints every ``k`` layers of a chunk (runs with parameters) with
-    ``activation_checkpoint_func`` (default :func:`terascale.checkpointing.checkpoint`,
-    which replays random draws). Collective: every rank constructs it with the same layers.
+    ``activation_checkpoint_func`` (default
+    :func:`terascale.checkpointing.reentrant_checkpoint`, DeepSpeed's default form, which
+    replays random draws; the engine puts
+    :func:`~terascale.checkpointing.non_reentrant_checkpoint` there for
+    ``pipeline.use_reentrant: false``). Collective: every rank constructs it with the same
+    layers.
     """
 
     def __init__(
@@ -100,6 +104,8 @@ class PipelineModule(nn.Module):
         self._chunks: list[list[_Step]] = [self._build(c) for c in range(virtual_stages)]
         self._forwards = [0] * virtual_stages  # forward calls per chunk (seed_layers' draws)
         self._ties = self._index_ties()
+        self._checkpointable: list[list[bool]] = []  # per chunk, per segment: runs with parameters
+        self._checkpointable_interval = 0  # the interval they were computed for
 
     # -- structure ------------------------------------------------------------------------------
 
@@ -225,15 +231,67 @@ class PipelineModule(nn.Module):
         if interval == 0:
             return self._run(steps, draw)(x)
         checkpoint = self.activation_checkpoint_func or _default_checkpoint()
-        for start in range(0, len(steps), interval):
-            segment = steps[start : start + interval]
-            run = self._run(segment, draw)
-            if _has_parameters(segment):
+        reentrant = self.checkpoints_reentrantly()
+        for start, checkpointed in zip(range(0, len(steps), interval), self._checkpointable_of(chunk)):
+            run = self._run(steps[start : start + interval], draw)
+            if checkpointed:
                 args = x if isinstance(x, tuple) else (x,)
-                x = checkpoint(lambda *a, run=run: run(a[0] if len(a) == 1 else a), *args)
+                segment_checkpoint = checkpoint
+                if reentrant and torch.is_grad_enabled():
+                    args = _requiring_grad(args)
+                    if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                        # No input can carry a gradient (token ids into an embedding): a
+                        # reentrant checkpoint would leave the segment's parameters without
+                        # one, so this segment takes the non-reentrant form.
+                        segment_checkpoint = _non_reentrant()
+                x = segment_checkpoint(lambda *a, run=run: run(a[0] if len(a) == 1 else a), *args)
             else:
                 x = run(x)
         return x
+
+    # -- activation checkpointing ---------------------------------------------------------------
+
+    def set_checkpoint_interval(self, interval: int) -> None:
+        """Checkpoint every ``interval`` layers from the next forward on (0: none)."""
+        if interval < 0:
+            raise ValueError(f"activation_checkpoint_interval must be >= 0, got {interval}")
+        self.activation_checkpoint_interval = interval
+        self._precompute_checkpointable_values()
+
+    def checkpoints_reentrantly(self) -> bool:
+        """Whether forward checkpoints with a reentrant function: anything but terascale's
+        non-reentrant ones, as DeepSpeed decides (its pipeline then makes the first stage's
+        inputs require a gradient, which such a function needs; see :meth:`forward`)."""
+        if self.activation_checkpoint_interval <= 0:
+            return False
+        from terascale.checkpointing import checkpoint, non_reentrant_checkpoint
+
+        return self.activation_checkpoint_func not in (checkpoint, non_reentrant_checkpoint)
+
+    def _precompute_checkpointable_values(self) -> None:
+        """For each chunk, whether each segment of ``activation_checkpoint_interval`` layers
+        is checkpointed (it runs with parameters); DeepSpeed's name."""
+        interval = self.activation_checkpoint_interval
+        self._checkpointable_interval = interval
+        self._checkpointable = [
+            [_has_parameters(steps[start : start + interval]) for start in range(0, len(steps), interval)]
+            if interval > 0
+            else []
+            for steps in self._chunks
+        ]
+
+    def _checkpointable_of(self, chunk: int) -> list[bool]:
+        # The interval is a plain attribute (the engine and scripts set it): recompute on change.
+        if self._checkpointable_interval != self.activation_checkpoint_interval or not self._checkpointable:
+            self._precompute_checkpointable_values()
+        return self._checkpointable[chunk]
+
+    @property
+    def is_checkpointable_results(self) -> list[bool]:
+        """Per segment of this stage's chunks in order, whether it is checkpointed (DeepSpeed's name)."""
+        if self.activation_checkpoint_interval <= 0:
+            return []
+        return [flag for chunk in range(self.virtual_stages) for flag in self._checkpointable_of(chunk)]
 
     def _run(self, steps: Sequence[_Step], draw: int) -> Callable[[Any], Any]:
         """A function running ``steps`` in order; with ``seed_layers`` each under its own
@@ -304,7 +362,26 @@ def _has_parameters(steps: Sequence[_Step]) -> bool:
     return False
 
 
-def _default_checkpoint() -> Callable[..., Any]:
-    from terascale.checkpointing import checkpoint  # the module-level API an engine configures
+def _requiring_grad(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``args``, where no tensor among them requires a gradient, with its floating tensors
+    replaced by aliases that do: a reentrant checkpoint computes gradients only through
+    inputs that require them, so a first stage's segment would leave its parameters
+    without any (DeepSpeed marks the first stage's inputs instead)."""
+    if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        return args
+    return tuple(
+        a.detach().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
+    )
 
-    return checkpoint
+
+def _non_reentrant() -> Callable[..., Any]:
+    from terascale.checkpointing import non_reentrant_checkpoint
+
+    return non_reentrant_checkpoint
+
+
+def _default_checkpoint() -> Callable[..., Any]:
+    # The module-level API an engine configures; DeepSpeed's default form is the reentrant one.
+    from terascale.checkpointing import reentrant_checkpoint
+
+    return reentrant_checkpoint

@@ -30,6 +30,14 @@ it, and the trace records the recompute where backward ran it, so prefetching fo
 the recompute order whatever it is. Reentrant checkpoints (forward under ``no_grad``)
 are not recorded in forward; their recompute is, in backward.
 
+Under a ``torch.func`` gradient transform (``torch.func.grad(engine)``: [Note: torch.func
+through the engine]) the forward frees nothing and records nothing in the trace: the
+transform's backward (a ``hessian`` runs two, ``vjp`` returns a function that runs one
+later, and a level-0 backward of its output may follow) needs every group, and it
+accumulates no gradient, so nothing frees groups in it. They stay gathered until a later
+forward's post-hook or a training backward's end frees them; a model differentiated with
+``torch.func`` at ZeRO-3 is thus held in full between those points.
+
 Every rank must run the same modules in the same order (as with any ZeRO-3): the
 all-gathers are collectives.
 
@@ -76,6 +84,7 @@ from torch import nn
 
 from terascale.zero.external import hook_parameter_reads, registered_external_parameters, restore_parameters
 from terascale.zero.flat_group import FlatParamGroup, ShardState
+from terascale.zero.func_transforms import grad_transform_active, outside_transforms
 from terascale.zero.wrap import GroupPlan
 
 
@@ -216,6 +225,8 @@ class ParamSchedule:
             # that follows needs the groups, and frees them when their gradients are done.
             if self._in_backward():
                 return
+            if grad_transform_active():
+                return  # kept for the transform's backward(s) ([Note: gather schedule])
             escaped = self._escaping(frame.held, output)
             self._hand_to_enclosing(escaped)
             for g in frame.held:
@@ -224,7 +235,8 @@ class ParamSchedule:
                 ):
                     continue  # still held by an enclosing forward, or kept for what follows
                 if self.groups[g].state is ShardState.UNSHARDED:
-                    self.groups[g].reshard(keep_memory=self._gather_of_size_ahead(g))
+                    with outside_transforms():  # [Note: torch.func through the engine]
+                        self.groups[g].reshard(keep_memory=self._gather_of_size_ahead(g))
 
         return hook
 
@@ -348,6 +360,17 @@ class ParamSchedule:
         if self._dynamic[g] and not self._has_frozen[g]:
             self._free(g)
 
+    def free_idle(self) -> None:
+        """Free every gathered group that no running forward or ``GatheredParameters``
+        holds; called before an update changes the shards. A training backward ends with
+        every group freed, but a backward that accumulates no gradient (``torch.autograd.grad``,
+        a ``torch.func`` transform's) gathers groups and frees none: run between a training
+        backward and the step, it would leave the full parameters of before the update in
+        place, and the next forward would find them gathered and use them."""
+        for g in range(len(self.groups)):
+            if self._dynamic[g] and not self.in_use(g):
+                self._free(g)
+
     def post_backward(self) -> None:
         """Free every group and make this iteration's sequence the trace if it differs."""
         for g, fg in enumerate(self.groups):
@@ -362,8 +385,15 @@ class ParamSchedule:
     # -- gathering ---------------------------------------------------------------------------
 
     def _use(self, g: int) -> None:
-        # Backward runs with grad mode off; it is still part of the training iteration.
-        recording = self._grad_enabled() or self._in_backward()
+        # The buffers are raw tensors; under torch.func.grad every operator would wrap them.
+        with outside_transforms():
+            self._use_raw(g, training=not grad_transform_active())
+
+    def _use_raw(self, g: int, training: bool) -> None:
+        # Backward runs with grad mode off; it is still part of the training iteration. A
+        # gradient transform's forward and backward are not ([Note: torch.func through
+        # the engine]): they neither record nor follow the trace.
+        recording = training and (self._grad_enabled() or self._in_backward())
         if recording:
             self._events.append(g)
             if self._following:
@@ -436,9 +466,10 @@ class ParamSchedule:
         if self._pinned.get(g):
             return  # [Note: pinned groups]
         fg = self.groups[g]
-        fg.wait()
-        if fg.state is ShardState.UNSHARDED:
-            fg.reshard(keep_memory=self._gather_of_size_ahead(g))
+        with outside_transforms():
+            fg.wait()
+            if fg.state is ShardState.UNSHARDED:
+                fg.reshard(keep_memory=self._gather_of_size_ahead(g))
 
     def _gather_of_size_ahead(self, g: int) -> bool:
         """Whether the trace still has a gather of a group the size of ``g`` (``g`` itself,

@@ -346,6 +346,8 @@ class ShardedState:
     def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor, sum_norms: SumNorms | None = None) -> None:
         """Unscale/clip by ``multiplier``, step each sub-group, refresh persistent groups.
         ``sum_norms`` completes Lamb's per-parameter norms over other ranks' slices."""
+        if self.schedule is not None:
+            self.schedule.free_idle()  # no full parameters of before the update survive it
         if self.early is not None and self.early.armed:  # most runs were stepped in backward
             self.early.finish(multiplier)
         else:
