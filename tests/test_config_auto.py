@@ -318,7 +318,7 @@ def test_auto_in_zero_optimization_is_deepspeeds_default_and_other_deepspeed_spe
     assert len(odd.notes) == 3
     with pytest.raises(ConfigError, match="fp16.type: 'bfloat16' is not an fp16 setting"):
         Config.load({"fp16": {"enabled": True, "type": "bfloat16"}})
-    assert Config.load({"gradient_allreduce_op": "sum"}).unbuilt_settings() == [
-        "gradient_allreduce_op=sum: summed (not averaged) gradient reduction is not built yet in this version of "
-        "terascale"
+    assert Config.load({"gradient_allreduce_op": "sum", "managed_gradient_accumulation": False}).unbuilt_settings() == []
+    assert Config.load({"dump_state": True}).unbuilt_settings() == [
+        "dump_state=true: engine state dump is not built yet in this version of terascale"
     ]

@@ -701,9 +701,9 @@ def _zero_scopes(swap_dir: str) -> list[dict]:
         log: list[dict] = []  # per backward: the groups it touched and those it reduced
         prepare, launch, post = grads.prepare_backward, grads._launch, grads.post_backward
 
-        def prepare_(sync: bool, prepare=prepare) -> None:
+        def prepare_(sync: bool, defer: bool = False, prepare=prepare) -> None:
             log.append({"launched": [], "touched": None})
-            prepare(sync)
+            prepare(sync, defer)
 
         def launch_(g: int, launch=launch) -> None:
             log[-1]["launched"].append(g)

@@ -140,9 +140,7 @@ def disk_limit(path: str | os.PathLike | None, local_ranks: int, cap: int | None
         at = at.parent
     # Swap files already there (zero.Init's parameter shards, an earlier run's files) are
     # rewritten in place, so their space is the plan's too, as SwapDirectory.require_free counts it.
-    swap = Path(path) / "terascale_swap"
-    held = sum(f.stat().st_size for f in swap.rglob("*.swp")) if swap.is_dir() else 0
-    free = shutil.disk_usage(at).free + held
+    free = shutil.disk_usage(at).free + _swap_bytes(Path(path) / "terascale_swap")
     limits = [Limit(int(free / local_ranks), f"free space at {path}")]
     if cap is not None:
         limits.append(Limit(int(cap / local_ranks), "planner.disk_space"))
@@ -252,3 +250,17 @@ def emulated(machine: Machine, *, host: int | None = None, device: int | None = 
     if disk is not None and (out.disk is None or disk < out.disk.bytes):
         out = replace(out, disk=Limit(disk, "the given disk space"))
     return out
+
+
+def _swap_bytes(swap: Path) -> int:
+    """Bytes of the swap files under ``swap``. Other ranks' engines create and remove their
+    folders there meanwhile (one closing while this one starts): what vanishes counts 0."""
+    held = 0
+    for folder, _, files in os.walk(swap):  # os.walk skips a folder that vanished; rglob raises
+        for name in files:
+            if name.endswith(".swp"):
+                try:
+                    held += os.stat(os.path.join(folder, name)).st_size
+                except FileNotFoundError:
+                    pass
+    return held
