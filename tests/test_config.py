@@ -614,3 +614,14 @@ def test_add_config_arguments() -> None:
     args = parser.parse_args([])
     assert args.config is None and args.deepspeed_config is None
     assert not args.deepspeed and not args.terascale
+
+
+def test_dynamic_loss_scaling_settings_are_checked_where_it_runs() -> None:
+    """loss_scale_window and min_loss_scale must be positive numbers under dynamic loss
+    scaling only; with a static scale or fp16 off they are unused and any value loads."""
+    for fp16 in ({"enabled": True, "loss_scale": 128, "min_loss_scale": 0}, {"enabled": False, "loss_scale_window": -1}):
+        Config.load({"fp16": fp16})
+    with pytest.raises(ConfigError, match="min_loss_scale must be positive with dynamic loss scaling"):
+        Config.load({"fp16": {"enabled": True, "min_loss_scale": 0}})
+    with pytest.raises(ConfigError, match="loss_scale_window"):
+        Config.load({"fp16": {"enabled": True, "loss_scale_window": True}})  # a bool is no number

@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from torch import nn
 
 from terascale.config.section import DtypeName, Section, normalize_dtype_name
@@ -57,14 +57,31 @@ class Fp16Config(Section):
     auto_cast: bool = False
     loss_scale: float = Field(0.0, ge=0.0)
     initial_scale_power: int = Field(16, ge=0)
-    loss_scale_window: int = Field(1000, gt=0)
+    # Read by dynamic loss scaling only, so checked only where it runs (below): configs with
+    # a static scale or fp16 off carry any value, as DeepSpeed accepts. A bool is no number.
+    loss_scale_window: int = 1000
     hysteresis: int = Field(2, ge=1)
     consecutive_hysteresis: bool = False
-    min_loss_scale: float = Field(1.0, gt=0.0)
+    min_loss_scale: float = 1.0
     fp16_master_weights_and_grads: bool = False
     # Older DeepSpeed configs carry this; it selected a fused optimizer wrapper and has no
     # effect on the arithmetic, so it is accepted and not acted on.
     fused_mode: bool = True
+
+    @field_validator("loss_scale_window", "min_loss_scale", mode="before")
+    @classmethod
+    def _not_a_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError(f"expected a number, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _dynamic_scaling_needs_positive_settings(self) -> Fp16Config:
+        if self.enabled and self.dynamic_loss_scale:
+            for key in ("loss_scale_window", "min_loss_scale"):
+                if getattr(self, key) <= 0:
+                    raise ValueError(f"{key} must be positive with dynamic loss scaling, got {getattr(self, key)}")
+        return self
 
     @property
     def dynamic_loss_scale(self) -> bool:

@@ -149,6 +149,11 @@ class DeepSpeedEngineAPI:
         without sequence parallelism."""
         return self.dist.sp_group
 
+    @property
+    def seq_parallel_group(self: Engine) -> Any:
+        """DeepSpeed's attribute for :meth:`get_sequence_parallel_group`."""
+        return self.get_sequence_parallel_group()
+
     def get_sequence_parallel_rank(self: Engine) -> int:
         return self.dist.sp_rank
 

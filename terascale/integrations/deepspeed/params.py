@@ -97,11 +97,16 @@ def _assemble(engine: Engine, name: str, keys: Iterable[str], slices: Iterable[S
 
 
 @torch.no_grad()
-def _local(name: str, keys: Iterable[str], slices: Iterable[Slice], device: torch.device) -> torch.Tensor | None:
+def _local(
+    name: str, keys: Iterable[str], slices: Iterable[Slice], device: torch.device, held: bool = False
+) -> torch.Tensor | None:
+    """This rank's part of ``name``'s tensor ``keys``, flattened; ``held``: the tensor exists
+    (a trained parameter's), so a rank holding none of its elements gets an empty tensor,
+    as DeepSpeed's partitions are, and None stays for what does not exist."""
     keys = set(keys)
     parts = sorted(((s.start, t) for s, t in slices if s.name == name and s.key in keys), key=lambda x: x[0])
     if not parts:
-        return None
+        return torch.empty(0, device=device) if held else None
     if parts[0][1].dim() == 0:
         return parts[0][1].detach().float().clone()
     return torch.cat([t.reshape(-1).float() for _, t in parts]).to(device)
@@ -150,18 +155,19 @@ def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> 
 
 def safe_get_local_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
     engine, name, shape = _find(param)
-    return _local(name, (MASTER, PARAM), _state_slices(engine, SliceMode.HELD), engine.device)
+    return _local(name, (MASTER, PARAM), _state_slices(engine, SliceMode.HELD), engine.device, param.requires_grad)
 
 
 def safe_get_local_grad(param: nn.Parameter) -> torch.Tensor | None:
     engine, name, shape = _find(param)
-    local = _local(name, (GRAD,), _grad_slices(engine, SliceMode.HELD), engine.device)
+    local = _local(name, (GRAD,), _grad_slices(engine, SliceMode.HELD), engine.device, param.requires_grad)
     return None if local is None else local.div_(engine.loss_scaler.scale)
 
 
 def safe_get_local_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
     engine, name, shape = _find(param)
-    return _local(name, (OPTIM + optim_state_key,), _state_slices(engine, SliceMode.HELD), engine.device)
+    stepped = param.requires_grad and engine.global_steps > 0  # the optimizer made its state
+    return _local(name, (OPTIM + optim_state_key,), _state_slices(engine, SliceMode.HELD), engine.device, stepped)
 
 
 # -- setters (collective) ---------------------------------------------------------------------------
