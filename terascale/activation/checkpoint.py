@@ -198,12 +198,7 @@ class ActivationCheckpointing:
                 call, *args, *(kwargs[k] for k in keys),
                 use_reentrant=False, preserve_rng_state=False, context_fn=contexts,
             )  # fmt: skip
-        if label not in self._warned_in_place and any(t._version != v for t, v in zip(inputs, versions)):
-            self._warn_in_place(label)
-        if self.profile:
-            self.times[label].forward_s += self._boundary() - start
-        elif self.synchronize:
-            self._boundary()
+        self._forward_done(label, start, any(t._version != v for t, v in zip(inputs, versions)))
         return out
 
     def _run_reentrant(self, call: Callable[..., Any], flat: list[Any], label: str, snapshot: RNGSnapshot) -> Any:
@@ -231,13 +226,17 @@ class ActivationCheckpointing:
         with self.store.hooks(label):
             out = torch_checkpoint.checkpoint(replayed, *flat, use_reentrant=True, preserve_rng_state=False)
         changes_inputs = any(t._version != v for t, v in zip(tensors, versions))
-        if label not in self._warned_in_place and changes_inputs:
+        self._forward_done(label, start, changes_inputs)
+        return out
+
+    def _forward_done(self, label: str, start: float, changed_inputs: bool) -> None:
+        """After a checkpointed forward: warn once if it changed its inputs in place; time it."""
+        if label not in self._warned_in_place and changed_inputs:
             self._warn_in_place(label)
         if self.profile:
             self.times[label].forward_s += self._boundary() - start
         elif self.synchronize:
             self._boundary()
-        return out
 
     def _warn_in_place(self, label: str) -> None:
         # [Note: inputs changed in place]: the saved input may be the changed tensor itself
