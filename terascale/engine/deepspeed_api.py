@@ -269,25 +269,19 @@ class DeepSpeedEngineAPI:
         backward outside (at the window's boundary) reduces them. Stages 0-1 only: from
         stage 2 gradients are partitioned as each backward runs (as in DeepSpeed)."""
         train = self.train_state
-        if train.deferring or train.in_no_sync:
-            raise UsageError(
-                "engine.no_sync() nested in engine.coalesce_grad_reduction() or another no_sync(): one block "
-                "is one accumulation window; use one of them"
-            )
-        if self.zero_optimization_partition_gradients():
-            raise UsageError(
-                f"engine.no_sync(): ZeRO stage {self.zero_optimization_stage()} partitions gradients during "
-                "every backward; use engine.coalesce_grad_reduction() (one reduction at the block's exit), "
-                "stage 0 or 1, or let gradient_accumulation_steps decide the windows"
-            )
-        before = train.boundary
-        self.set_gradient_accumulation_boundary(False)
-        train.in_no_sync = True
-        try:
-            yield
-        finally:
-            train.in_no_sync = False
-            self.set_gradient_accumulation_boundary(before)
+        with train.inside("no_sync"):
+            if self.zero_optimization_partition_gradients():
+                raise UsageError(
+                    f"engine.no_sync(): ZeRO stage {self.zero_optimization_stage()} partitions gradients during "
+                    "every backward; use engine.coalesce_grad_reduction() (one reduction at the block's exit), "
+                    "stage 0 or 1, or let gradient_accumulation_steps decide the windows"
+                )
+            before = train.boundary
+            self.set_gradient_accumulation_boundary(False)
+            try:
+                yield
+            finally:
+                self.set_gradient_accumulation_boundary(before)
 
     @contextlib.contextmanager
     def coalesce_grad_reduction(self: Engine) -> Iterator[None]:
@@ -300,20 +294,12 @@ class DeepSpeedEngineAPI:
                 "engine.coalesce_grad_reduction() with managed_gradient_accumulation false: engine.step() "
                 "ends each window and reduces it already"
             )
-        if train.deferring or train.in_no_sync:
-            raise UsageError(
-                "engine.coalesce_grad_reduction() nested in another one or in engine.no_sync(): one block is one "
-                "accumulation window; use one of them"
-            )
-        if self.dist.pp_world_size > 1:
-            raise UsageError(
-                "engine.coalesce_grad_reduction() with pipeline parallelism: train_batch schedules the window"
-            )
-        train.deferring = True
-        try:
+        with train.inside("coalesce_grad_reduction"):
+            if self.dist.pp_world_size > 1:
+                raise UsageError(
+                    "engine.coalesce_grad_reduction() with pipeline parallelism: train_batch schedules the window"
+                )
             yield
-        finally:
-            train.deferring = False
         self._reduce_window()  # not after an error: the other ranks may not get here
 
     def managed_gradient_accumulation(self: Engine) -> bool:

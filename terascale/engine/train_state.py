@@ -55,8 +55,7 @@ class TrainState:
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.managed = managed  # False: every engine.step() ends a window (managed_gradient_accumulation)
         self.in_step = False  # engine.step() is running (the boundary when not managed)
-        self.deferring = False  # inside engine.coalesce_grad_reduction()
-        self.in_no_sync = False  # inside engine.no_sync()
+        self.block: str | None = None  # the open "no_sync" or "coalesce_grad_reduction" block
         self.synced = False  # the window's last backward reduced its gradients
         self.window_backwards = 0  # backwards in the current window
         self.global_steps = 0
@@ -112,6 +111,26 @@ class TrainState:
         self.window = WindowState.ACCUMULATING
         self.synced = synced
         self.window_backwards += 1
+
+    @property
+    def deferring(self) -> bool:
+        """Inside ``engine.coalesce_grad_reduction()``: no backward synchronises."""
+        return self.block == "coalesce_grad_reduction"
+
+    @contextlib.contextmanager
+    def inside(self, block: str) -> Iterator[None]:
+        """Around ``engine.no_sync()`` / ``engine.coalesce_grad_reduction()`` (``block``): one
+        such block at a time, since each is one accumulation window."""
+        if self.block is not None:
+            raise UsageError(
+                f"engine.{block}() nested in another one, engine.{self.block}(): one block is one accumulation "
+                "window; use one of them"
+            )
+        self.block = block
+        try:
+            yield
+        finally:
+            self.block = None
 
     @contextlib.contextmanager
     def stepping(self) -> Iterator[None]:
