@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import pathlib
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -38,18 +39,21 @@ logger = logging.getLogger("terascale")
 
 
 def initialize(
-    model: nn.Module,
+    args: argparse.Namespace | None = None,
+    model: nn.Module | None = None,
     optimizer: OptimizerArg = None,
     model_parameters: Iterable[Any] | None = None,
-    config: Config | dict | str | pathlib.Path | None = None,
     training_data: Dataset | None = None,
     lr_scheduler: SchedulerArg = None,
+    distributed_port: int | None = None,
     mpu: ModelParallelUnit | None = None,
-    collate_fn: Callable | None = None,
-    args: argparse.Namespace | None = None,
-    config_params: dict | None = None,
-    wrap_policy: WrapPolicy | None = None,
     dist_init_required: bool | None = None,
+    collate_fn: Callable | None = None,
+    config: Config | dict | str | pathlib.Path | None = None,
+    mesh_param: tuple[int, int] | None = None,
+    config_params: dict | None = None,
+    *,
+    wrap_policy: WrapPolicy | None = None,
 ) -> tuple[Engine, Any, DataLoader | None, Any]:
     """Build the engine for ``model`` from a DeepSpeed-compatible config.
 
@@ -60,27 +64,38 @@ def initialize(
     :class:`~terascale.engine.optimizer_handle.OptimizerHandle` on ``engine.optimizer``,
     whose ``step()`` updates the model as ``engine.step()`` does, without the scheduler.
 
+    The arguments are DeepSpeed's, in its order (``args`` first: published programs call
+    ``initialize(args, model, optimizer)`` and ``initialize(args, model=model)``).
     The config comes from ``config``, else ``config_params``, else ``args.config`` /
     ``args.deepspeed_config`` (see :func:`terascale.add_config_arguments`).
     ``wrap_policy`` chooses the parameter groups of ZeRO stages 1-3 (default: the
     repeated blocks of the model, see :class:`terascale.zero.WrapPolicy`).
-    ``dist_init_required=False`` (DeepSpeed's argument) requires a process group to exist
-    already instead of creating one.
+    ``dist_init_required=False`` requires a process group to exist already instead of
+    creating one; ``distributed_port`` is the rendezvous port where none is set;
+    ``mesh_param=(data_parallel, sequence_parallel)`` sets the sequence-parallel size.
     """
+    if model is None and isinstance(args, nn.Module):
+        raise UsageError(
+            "initialize: the first positional argument is args, as in DeepSpeed; pass the model as model=..."
+        )
     if not isinstance(model, nn.Module):
-        raise UsageError(f"terascale.initialize needs a model, a torch.nn.Module; got {type(model).__name__}")
+        raise UsageError(f"initialize requires a model, a torch.nn.Module; got {type(model).__name__}")
     if dist_init_required is False and not torch.distributed.is_initialized():
         raise ValueError("initialize(dist_init_required=False): torch.distributed is not initialized; "
                          "initialize it first or pass dist_init_required=True")  # fmt: skip
+    if distributed_port is not None and "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(distributed_port)  # as init_distributed(distributed_port=...)
     source = config if config is not None else config_params
     if source is None and args is not None:
         source = getattr(args, "config", None) or getattr(args, "deepspeed_config", None)
     if source is None:
         raise ValueError(
-            "terascale.initialize needs a config: pass config= (a path, dict or JSON string) or "
-            "args with --config"
+            "initialize needs a config: pass config= (a path, dict or JSON string) or "
+            "args with --deepspeed_config"
         )
     cfg = Config.load(source)
+    if mesh_param:
+        cfg = _adopt_mesh(cfg, mesh_param)
     sequence_mpu = None
     if mpu is not None and hasattr(mpu, "initialize_sequence_parallel"):  # DeepSpeed's marker
         sequence_mpu, mpu = mpu, None
@@ -127,6 +142,16 @@ def initialize(
     # ([Note: the optimizer initialize returns]).
     handle = None if engine.optimizer is None else optimizer_handle(engine)
     return engine, handle, loader, engine.lr_scheduler
+
+
+def _adopt_mesh(cfg: Config, mesh_param: tuple[int, int]) -> Config:
+    """``cfg`` for DeepSpeed's ``mesh_param=(data_parallel, sequence_parallel)``: the sizes of
+    a mesh over the world, whose second is the sequence-parallel size."""
+    dp, sp = (int(n) for n in mesh_param)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    if dp * sp != world:
+        raise ValueError(f"initialize(mesh_param={tuple(mesh_param)}): {dp} x {sp} ranks, but the world has {world}")
+    return cfg.with_sp_size(sp, "mesh_param's sequence-parallel size")
 
 
 def _adopt_sequence_mpu(cfg: Config, mpu: Any) -> Config:

@@ -321,6 +321,42 @@ def _safe_rank(save_dir: str) -> dict:
     }  # fmt: skip
 
 
+def _safe_partitioned_rank() -> dict:
+    import terascale as deepspeed
+    from terascale import utils as ds_utils
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    model[0].bias.requires_grad_(False)  # frozen: no master, no gradient
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
+        "zero_optimization": {"stage": 1}})  # fmt: skip
+    x = torch.arange(16.0).view(2, 8) / 16
+    engine.backward(engine(x[engine.global_rank : engine.global_rank + 1]).sum())
+    trained = [p for p in model.parameters() if p.requires_grad]
+    before = [ds_utils.safe_get_full_grad(p).clone() for p in trained]
+    # Every rank sets every gradient, also where the rank holds none of it (the last bias is
+    # in rank 1's partition only): collective, as DeepSpeed's; then add one to each.
+    for p, g in zip(trained, before):
+        ds_utils.safe_set_full_grad(p, 2 * g)
+    ds_utils.safe_update_full_grad_vectorized(list(model.parameters()), lambda old, p: old + 1)
+    after = [ds_utils.safe_get_full_grad(p) for p in trained]
+    frozen = model[0].bias
+    nothing = (ds_utils.safe_get_full_fp32_param(frozen), ds_utils.safe_get_full_grad(frozen),
+               ds_utils.safe_get_local_fp32_param(frozen))  # fmt: skip
+    engine.step()
+    return {"twice_plus_one": all(torch.equal(a, 2 * b + 1) for a, b in zip(after, before)),
+            "frozen": nothing, "params": [ds_utils.safe_get_full_fp32_param(p) for p in trained]}  # fmt: skip
+
+
+def test_safe_set_full_grad_where_a_rank_holds_none_of_it_and_frozen_parameters() -> None:
+    out = run_ranks(_safe_partitioned_rank, 2)
+    for r in out:
+        assert r["twice_plus_one"] and r["frozen"] == (None, None, None), r
+    for a, b in zip(out[0]["params"], out[1]["params"]):
+        assert torch.equal(a, b)
+
+
 def test_safe_get_full_at_zero3_on_two_ranks_and_zero_to_fp32(tmp_path: Path) -> None:
     out = run_ranks(_safe_rank, 2, str(tmp_path / "ckpt"))
     for r in out:
@@ -415,8 +451,14 @@ def test_no_sync_is_refused_where_gradients_are_partitioned() -> None:
     import terascale as deepspeed
 
     engine, *_ = deepspeed.initialize(model=make_model(), config=_config(stage=2))
-    with pytest.raises(ValueError, match="ZeRO stage 2 partitions gradients"):
+    # DeepSpeed's own words are in the message: programs and tests match them.
+    with pytest.raises(AssertionError, match="no_sync context manager is incompatible .*ZeRO stage 2 partitions"):
         with engine.no_sync():
+            pass
+    engine.destroy()
+    engine, *_ = deepspeed.initialize(model=make_model(), config=_config(stage=1))
+    with pytest.raises(ValueError, match="no_sync context manager reentry is unsupported"):
+        with engine.no_sync(), engine.no_sync():
             pass
 
 

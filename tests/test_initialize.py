@@ -169,3 +169,53 @@ def test_client_optimizer_and_scheduler_callable():
 def test_client_optimizer_is_moved_to_fp32_masters_under_bf16():
     lrs, state, _ = run_ranks(_client_optimizer_rank, 1, True)[0]
     assert all(v.dtype == torch.float32 for v in state.values())
+
+
+def _deepspeed_order_rank(config_path: str) -> dict:
+    import argparse
+
+    import terascale
+
+    args = argparse.Namespace(deepspeed_config=config_path, local_rank=0)
+    out: dict = {}
+    # DeepSpeed's argument order, as published programs call it: args first.
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    engine, handle, _, _ = terascale.initialize(args, model, opt)
+    x, y = make_data(STEPS, MICRO)
+    engine.backward(engine(x[0], y[0]))
+    engine.step()
+    out["positional"] = engine.full_state_dict()
+    engine.destroy()
+    adam = _config(optimizer={"type": "Adam", "params": {"lr": LR}})
+    engine, *_ = terascale.initialize(args, model=make_model(), mesh_param=(1, 1), config_params=adam)
+    out["keyword_model"] = engine.optimizer_name()
+    engine.destroy()
+    for name, call in (("none", lambda: terascale.initialize(model=None, config=_config())),
+                       ("model_first", lambda: terascale.initialize(make_model(), config=_config())),
+                       ("mesh", lambda: terascale.initialize(args, make_model(), mesh_param=(2, 2)))):  # fmt: skip
+        try:
+            call()
+        except (AssertionError, ValueError) as exc:  # DeepSpeed asserts on a missing model
+            out[name] = (isinstance(exc, AssertionError), str(exc))
+    return out
+
+
+def test_deepspeed_argument_order(tmp_path) -> None:
+    import json
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_config()))
+    (out,) = run_ranks(_deepspeed_order_rank, 1, str(path))
+    # The client SGD optimizer passed third, positionally, is the one that trained.
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = make_data(STEPS, MICRO)
+    model(x[0], y[0]).backward()
+    opt.step()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(out["positional"][k], v, rtol=1e-6, atol=1e-7, msg=k)
+    assert out["keyword_model"] == "Adam"
+    assert out["none"][0] and "requires a model" in out["none"][1]
+    assert out["model_first"][0] and "first positional argument is args" in out["model_first"][1]
+    assert "2 x 2 ranks, but the world has 1" in out["mesh"][1]

@@ -272,8 +272,8 @@ class DeepSpeedEngineAPI:
         with train.inside("no_sync"):
             if self.zero_optimization_partition_gradients():
                 raise UsageError(
-                    f"engine.no_sync(): ZeRO stage {self.zero_optimization_stage()} partitions gradients during "
-                    "every backward; use engine.coalesce_grad_reduction() (one reduction at the block's exit), "
+                    "engine.no_sync(): the no_sync context manager is incompatible with gradient partitioning "
+                    f"(ZeRO stage {self.zero_optimization_stage()} partitions gradients during every backward); use engine.coalesce_grad_reduction() (one reduction at the block's exit), "
                     "stage 0 or 1, or let gradient_accumulation_steps decide the windows"
                 )
             before = train.boundary

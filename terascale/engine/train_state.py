@@ -122,6 +122,8 @@ class TrainState:
         """Around ``engine.no_sync()`` / ``engine.coalesce_grad_reduction()`` (``block``): one
         such block at a time, since each is one accumulation window."""
         if self.block is not None:
+            if block == self.block == "no_sync":  # DeepSpeed's words, which programs match
+                raise UsageError("engine.no_sync() inside engine.no_sync(): no_sync context manager reentry is unsupported")
             raise UsageError(
                 f"engine.{block}() nested in another one, engine.{self.block}(): one block is one accumulation "
                 "window; use one of them"

@@ -130,8 +130,11 @@ def _grad_slices(engine: Engine, mode: SliceMode) -> list[Slice]:
 
 
 def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
-    """The whole fp32 value of ``param`` (its master where trained), on the engine's device."""
+    """The whole fp32 master of ``param``, on the engine's device; None for a frozen
+    parameter, which has no master (as in DeepSpeed: programs test for None)."""
     engine, name, shape = _find(param)
+    if not param.requires_grad:
+        return None
     return _assemble(engine, name, (MASTER, PARAM), _state_slices(engine, SliceMode.SAVE), shape)
 
 
@@ -155,6 +158,8 @@ def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> 
 
 def safe_get_local_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
     engine, name, shape = _find(param)
+    if not param.requires_grad:  # no master, as safe_get_full_fp32_param
+        return None
     return _local(name, (MASTER, PARAM), _state_slices(engine, SliceMode.HELD), engine.device, param.requires_grad)
 
 
@@ -256,13 +261,19 @@ def safe_set_local_optimizer_state(param: nn.Parameter, value: torch.Tensor, opt
 
 
 @torch.no_grad()
-def _write_grad(engine: Engine, name: str, flat: torch.Tensor, local: bool) -> None:
+def _write_grad(engine: Engine, name: str, flat: torch.Tensor, local: bool, trained: bool) -> None:
     # The window's gradient spans are views of the reduced gradients this rank holds; they
-    # carry the loss scale, which the getters divide out, so the setters multiply it in.
+    # carry the loss scale, which the getters divide out, so the setters multiply it in. A
+    # rank may hold none of a trained parameter's gradient (its span is another rank's
+    # partition): the full setter writes nothing there, the local one takes an empty value.
     offset = 0
     spans = sorted(((s, t) for s, t in _grad_slices(engine, SliceMode.HELD) if s.name == name and s.key == GRAD),
                    key=lambda st: st[0].start)  # fmt: skip
-    if not spans:
+    held = torch.tensor([1.0 if spans else 0.0], device=engine.device)
+    group = _group(engine)
+    if not local and group is not None:  # collective, as in DeepSpeed: every rank decides alike
+        ops.all_reduce(held, op=dist.ReduceOp.MAX, group=group)
+    if not held.item() and not (local and flat.numel() == 0 and trained):
         raise ValueError(f"{name} has no gradient in this window (frozen, or unused by the loss)")
     for span, t in spans:
         n = span.end - span.start
@@ -275,15 +286,15 @@ def _write_grad(engine: Engine, name: str, flat: torch.Tensor, local: bool) -> N
 
 def safe_set_full_grad(param: nn.Parameter, value: torch.Tensor) -> None:
     """Set the whole reduced gradient of ``param`` for the coming ``engine.step()`` (after the
-    window's last backward). Collective in DeepSpeed; here each rank writes its own part."""
+    window's last backward). Collective, as in DeepSpeed: each rank writes its own part."""
     engine, name, shape = _find(param)
-    _write_grad(engine, name, _check_value(shape, value), local=False)
+    _write_grad(engine, name, _check_value(shape, value), local=False, trained=param.requires_grad)
 
 
 def safe_set_local_grad(param: nn.Parameter, value: torch.Tensor) -> None:
     """Set this rank's part of ``param``'s gradient (as :func:`safe_get_local_grad` returns it)."""
     engine, name, _ = _find(param)
-    _write_grad(engine, name, value.detach().reshape(-1), local=True)
+    _write_grad(engine, name, value.detach().reshape(-1), local=True, trained=param.requires_grad)
 
 
 def safe_update_full_grad_vectorized(param_list: list[nn.Parameter], update_func: Callable) -> None:
