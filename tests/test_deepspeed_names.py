@@ -426,7 +426,8 @@ def test_engine_methods() -> None:
         assert not engine.is_gradient_accumulation_boundary()
         for s in range(3):
             engine.backward(engine(x[s], y[s]))
-            engine.step()
+        with pytest.raises(AssertionError, match="illegal to call Engine.step.. inside no_sync"):
+            engine.step()  # refused, as in DeepSpeed: the window ends after the block
     assert engine.global_steps == 0
     engine.set_gradient_accumulation_boundary(True)
     engine.backward(engine(x[3], y[3]))

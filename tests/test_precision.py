@@ -29,14 +29,20 @@ def test_dynamic_scaler_grows_after_window_of_clean_steps():
     s = DynamicLossScaler(scale=8.0, scale_window=3, hysteresis=1)
     s.update(True)  # iter 0 overflows -> 4
     assert s.scale == 4.0
-    for _ in range(2):
+    for _ in range(3):
         s.update(False)
         assert s.scale == 4.0
-    s.update(False)  # 3 clean steps since the overflow
+    s.update(False)  # a clean step after 3 clean steps since the overflow (DeepSpeed 0.19's rule)
     assert s.scale == 8.0
     for _ in range(3):
         s.update(False)
     assert s.scale == 16.0
+    fresh = DynamicLossScaler(scale=8.0, scale_window=2, hysteresis=1)
+    scales = []
+    for _ in range(5):
+        fresh.update(False)
+        scales.append(fresh.cur_scale)
+    assert scales == [8.0, 8.0, 16.0, 16.0, 32.0] and fresh.cur_iter == 5  # DeepSpeed's sequence
 
 
 def test_dynamic_scaler_respects_min_scale_and_consecutive_hysteresis():
@@ -121,16 +127,42 @@ def test_fp16_dynamic_scaling_skips_and_lowers_then_grows():
     skipped = [r[1] for r in record]
     applied = [r[3] for r in record]
     changed = [r[2] for r in record]
-    # No overflow yet counts as one at iteration -1, so the first growth (window 2) is at
-    # iteration 1.
-    assert scales[0] == 256.0 and scales[1] == 512.0
-    # steps 2, 3, 4 overflow: first absorbed by hysteresis, then halved twice.
-    assert scales[2] == 512.0 and scales[3] == 256.0 and scales[4] == 128.0
+    # DeepSpeed 0.19's rule (window 2): the scale grows at a clean step that follows two
+    # clean ones, so not before step 2; steps 2, 3, 4 overflow: the first is absorbed by
+    # hysteresis, then the scale halves twice; after the overflow at step 4, the clean
+    # steps 5 and 6 let step 7 grow it.
+    assert scales == [256.0, 256.0, 256.0, 128.0, 64.0, 64.0, 64.0, 128.0]
     assert skipped == [0, 0, 1, 2, 3, 3, 3, 3]
     assert applied == [True, True, False, False, False, True, True, True]
     assert changed == applied
-    # After the overflow at iter 4, two clean steps (5, 6) grow the scale at iter 6.
-    assert scales[5] == 128.0 and scales[6] == 256.0
+
+
+def _bf16_overflow_rank(check: bool) -> list:
+    import terascale
+
+    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000,
+              "bf16": {"enabled": True, "check_grad_overflow": check},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}  # fmt: skip
+    engine, *_ = terascale.initialize(model=make_model(), config=config)
+    x, y = make_data(4, 8)
+    record = []
+    for s in range(4):
+        lo = engine.dist.dp_rank * 4
+        loss = engine(x[s, lo : lo + 4].bfloat16(), y[s, lo : lo + 4])
+        if s == 1:
+            loss = loss * float("inf")  # every gradient becomes non-finite
+        engine.backward(loss)
+        engine.step()
+        finite = all(torch.isfinite(p).all().item() for p in engine.module.parameters())
+        record.append((engine.skipped_steps, engine.was_step_applied(), finite))
+    return record
+
+
+def test_bf16_check_grad_overflow_skips_non_finite_steps():
+    checked = run_ranks(_bf16_overflow_rank, 2, True)[0]
+    assert checked == [(0, True, True), (1, False, True), (1, True, True), (1, True, True)]
+    unchecked = run_ranks(_bf16_overflow_rank, 2, False)[0]  # DeepSpeed's default: no check
+    assert [r[:2] for r in unchecked] == [(0, True)] * 4 and not unchecked[1][2]
 
 
 def test_fp16_static_scale_skips_overflow_without_changing_scale():

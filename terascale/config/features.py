@@ -192,11 +192,9 @@ FEATURES: tuple[Feature, ...] = (
         "fp16 master weights and gradients", False, _flags("fp16", "fp16_master_weights_and_grads")
     ),
     Feature(
-        "bf16 master weights / optimizer states / overflow checks",
+        "bf16 master weights / optimizer states",
         False,
-        _flags(
-            "bf16", "bf16_master_weights_and_grads", "bf16_optimizer_states", "check_grad_overflow"
-        ),
+        _flags("bf16", "bf16_master_weights_and_grads", "bf16_optimizer_states"),
     ),
     Feature("flops profiler", True, _flags("flops_profiler", "enabled")),
     Feature("communication logger", True, _flags("comms_logger", "enabled")),

@@ -95,7 +95,9 @@ class Fp16Config(Section):
 
 
 class Bf16Config(Section):
-    """``bf16`` (alias ``bfloat16``): bf16 mixed precision, no loss scaling."""
+    """``bf16`` (alias ``bfloat16``): bf16 mixed precision, no loss scaling.
+    ``check_grad_overflow``: skip a step whose gradients are not all finite, as fp16 does
+    (counted in ``skipped_steps``); off by default, as in DeepSpeed."""
 
     enabled: bool = False
     immediate_grad_update: bool = False

@@ -271,10 +271,11 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
     def _step(self, *, scheduler: bool) -> None:
         if self.optimizer is None:
             raise UsageError(f"engine.step(): {FORWARD_ONLY}")
-        if self._train.deferring:
+        if self._train.block is not None:  # DeepSpeed's words for no_sync, which programs match
             raise UsageError(
-                "engine.step() inside engine.coalesce_grad_reduction() (a no_sync block): the block is one "
-                "accumulation window, reduced when it exits; call engine.step() after the with-block"
+                f"It is illegal to call Engine.step() inside no_sync context manager: engine.{self._train.block}() "
+                "is one accumulation window, reduced by the backward after it (no_sync) or when it exits "
+                "(coalesce_grad_reduction); call engine.step() after the with-block"
             )
         with self._train.stepping():  # the boundary, where the caller owns the windows
             if not self.is_gradient_accumulation_boundary():
@@ -363,14 +364,16 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         norm = None
         clip = self.config.gradient_clipping
         checks = self._resilience.checks_non_finite
-        if clip > 0 or self.config.fp16.enabled or self._train.window_norm is not None or checks:
+        bf16 = self.config.bf16
+        overflow_checked = self.config.fp16.enabled or (bf16.enabled and bf16.check_grad_overflow)
+        if clip > 0 or overflow_checked or self._train.window_norm is not None or checks:
             norm = self.window_grad_norm()
         overflow = False
-        if self.config.fp16.enabled:
+        if overflow_checked:
             # Non-finite on one rank is non-finite on every rank (a global norm; in a 1-bit
             # optimizer's local window the model state makes it so), so this agrees everywhere.
             overflow = all_reduce_flag(~torch.isfinite(norm), self.dist.zero_group, self.device)
-            self.loss_scaler.update(overflow)
+            self.loss_scaler.update(overflow)  # bf16's scaler is a static 1.0
         verdict = self._resilience.check_finite(norm) if checks and not overflow else "ok"
         if verdict == "rollback":
             self._state.zero_grad()
@@ -380,7 +383,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         applied = not (overflow or verdict == "skip")
         if overflow:
             logger.info(
-                "fp16 overflow at step %d: step skipped, loss scale %g -> %g",
+                "gradient overflow at step %d: step skipped, loss scale %g -> %g",
                 self._train.global_steps, scale, self.loss_scaler.scale,
             )
         if applied:

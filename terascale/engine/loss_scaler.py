@@ -13,6 +13,13 @@ class StaticLossScaler:
     def __init__(self, scale: float = 1.0) -> None:
         self.scale = float(scale)
 
+    @property
+    def cur_scale(self) -> float:
+        """DeepSpeed's name of the scale (``optimizer.loss_scaler.cur_scale``)."""
+        return self.scale
+
+    loss_scale = cur_scale
+
     def update(self, overflow: bool) -> None:
         """A static scale never changes; an overflowing step is still skipped by the engine."""
 
@@ -28,8 +35,9 @@ class DynamicLossScaler:
     """Dynamic loss scaling as DeepSpeed does it.
 
     On an overflowing step the scale is divided by ``scale_factor`` once ``hysteresis``
-    overflows have been absorbed (never below ``min_scale``); after ``scale_window``
-    consecutive clean steps since the last overflow it is multiplied by ``scale_factor``.
+    overflows have been absorbed (never below ``min_scale``); at a clean step that follows
+    ``scale_window`` clean steps since the last overflow (or the start) it is multiplied by
+    ``scale_factor``, and again every ``scale_window`` steps.
     Without ``consecutive_hysteresis`` the hysteresis budget is refilled only when the scale
     grows; with it, every clean step refills it.
     """
@@ -47,6 +55,27 @@ class DynamicLossScaler:
         self._last_overflow_iter = -1
         self._hysteresis_left = self.hysteresis
 
+    # DeepSpeed's names for the state (``optimizer.loss_scaler.cur_scale``, ``cur_iter``, ...),
+    # which programs log and test.
+    @property
+    def cur_scale(self) -> float:
+        return self.scale
+
+    loss_scale = cur_scale
+
+    @property
+    def cur_iter(self) -> int:
+        """Optimizer steps seen, overflowing ones included."""
+        return self._iter
+
+    @property
+    def last_overflow_iter(self) -> int:
+        return self._last_overflow_iter
+
+    @property
+    def cur_hysteresis(self) -> int:
+        return self._hysteresis_left
+
     def update(self, overflow: bool) -> None:
         """Advance one optimizer step that did (``overflow``) or did not overflow."""
         if overflow:
@@ -58,7 +87,10 @@ class DynamicLossScaler:
         else:
             if self.consecutive_hysteresis:
                 self._hysteresis_left = self.hysteresis
-            if (self._iter - self._last_overflow_iter) % self.scale_window == 0:
+            # DeepSpeed's rule (0.19): grow once ``scale_window`` clean steps came before
+            # this one since the last overflow, and every ``scale_window`` steps after that.
+            stable = self._iter - self._last_overflow_iter - 1
+            if stable > 0 and stable % self.scale_window == 0:
                 if not self.consecutive_hysteresis:
                     self._hysteresis_left = self.hysteresis
                 self.scale *= self.scale_factor

@@ -170,6 +170,8 @@ def step_in_backward(
         reasons.append("managed_gradient_accumulation false: a window's last backward is known only at engine.step()")
     if config.fp16.enabled:
         reasons.append("fp16 checks the gradients for overflow after backward and skips the step if any; use bf16")
+    if config.bf16.enabled and config.bf16.check_grad_overflow:
+        reasons.append("bf16.check_grad_overflow skips the step after backward if a gradient is not finite")
     if checks_non_finite:
         policy = config.health.non_finite.policy
         reasons.append(f"health.non_finite.policy '{policy}' decides after backward whether the step is taken")

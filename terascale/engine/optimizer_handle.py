@@ -67,6 +67,22 @@ class OptimizerHandle(torch.optim.Optimizer):
         """The last optimizer step was skipped (an fp16 overflow), as DeepSpeed's wrappers say."""
         return self._engine.global_steps > 0 and not self._engine.was_step_applied()
 
+    # DeepSpeed's wrappers carry the fp16 loss scaler; programs log ``optimizer.cur_scale``.
+    @property
+    def loss_scaler(self) -> Any:
+        """The engine's loss scaler (a static 1.0 without fp16)."""
+        return self._engine.loss_scaler
+
+    @property
+    def cur_scale(self) -> float:
+        return self._engine.loss_scaler.scale
+
+    loss_scale = cur_scale
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self._engine.loss_scaler.dynamic
+
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """Run ``closure`` if given, then the engine's step without the LR scheduler: at the
         end of an accumulation window, the update from the window's gradients."""

@@ -8,7 +8,8 @@ one contiguous *piece* per optimizer param group; each piece gets one fp32 maste
 in one kernel. Where the model already computes in fp32 the master is a view of the
 parameter shard itself and no memory is spent twice. Frozen parameters and padding are
 in no piece. Pieces may be split further so that no optimizer call handles more than
-``sub_group_size`` elements at once (the fp32 gradients are materialised per call).
+``sub_group_size`` elements at once (the fp32 gradients are materialised per call), into
+at most ``MAX_PIECES_PER_SPAN`` pieces per param group's span of a shard.
 Consecutive pieces form *runs*, one optimizer call each: a run ends before it would
 exceed ``sub_group_size``, and at the end of a group once it has ``run_split_numel``
 elements (a million; four million when the runs are swapped to NVMe, see
@@ -28,6 +29,7 @@ from terascale.zero.wrap import GroupPlan
 
 
 RUN_SPLIT_NUMEL = 1 << 20
+MAX_PIECES_PER_SPAN = 64
 # Runs swapped to NVMe end at a group end only from this size: see [Note: optimizer swapping].
 NVME_RUN_SPLIT_NUMEL = 1 << 22
 
@@ -55,7 +57,11 @@ def _pieces(plan: GroupPlan, fg: FlatParamGroup, g: int, max_numel: int) -> list
         start, end = slots[i].offset, slots[j].offset + slots[j].numel
         a, b = max(start, lo_global), min(end, hi_global)
         if k >= 0 and a < b:
-            step = max(1, max_numel)
+            # At most MAX_PIECES_PER_SPAN pieces: a sub_group_size far below the shard
+            # (DeepSpeed's tests use 8) would otherwise make a master, an optimizer
+            # parameter and a Python call per few elements. DeepSpeed never splits a
+            # parameter across its sub-groups at all.
+            step = max(1, max_numel, -(-(b - a) // MAX_PIECES_PER_SPAN))
             for s in range(a, b, step):
                 out.append(Piece(g, k, s - lo_global, min(b, s + step) - lo_global))
         i = j + 1
