@@ -167,5 +167,7 @@ def test_expert_parallel_config_spellings():
     assert not Config.load(base).expert_parallel.active
     with pytest.raises(ConfigError, match="moe.ep_sise: unknown key; did you mean 'ep_size'"):
         Config.load({**base, "moe": {"ep_sise": 2}})
-    with pytest.raises(ConfigError, match="load_balance_coeff"):
-        Config.load({**base, "expert_parallel": {"load_balance_coeff": 0.01}})
+    for value in (0.01, 0, False, "1e-3"):  # every value, as DeepSpeed: the message names it and what to do
+        with pytest.raises(ConfigError, match=rf"load_balance_coeff={value!r} is not supported.*null or omit it"):
+            Config.load({**base, "expert_parallel": {"load_balance_coeff": value}})
+    assert Config.load({**base, "expert_parallel": {"load_balance_coeff": None}}).expert_parallel.load_balance_coeff is None

@@ -18,7 +18,7 @@ resolve ``"auto"`` first) :func:`data_parallel_size` derives it from the config'
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
@@ -140,6 +140,16 @@ class ExpertParallelConfig(Section):
     use_grouped_mm: bool = True
     load_balance_coeff: None = None
     expert_tensor_parallel_size: Literal[1] = 1
+
+    @field_validator("load_balance_coeff", mode="before")
+    @classmethod
+    def _no_load_balance_coeff(cls, value: Any) -> None:
+        if value is not None:  # DeepSpeed refuses every value too, in these words
+            raise ValueError(
+                f"expert_parallel.load_balance_coeff={value!r} is not supported: the model's own auxiliary "
+                "loss balances the experts (there is no expert_bias balancing); set it to null or omit it"
+            )
+        return None
 
     @property
     def active(self) -> bool:
