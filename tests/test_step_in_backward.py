@@ -22,8 +22,8 @@ def _model(frozen: bool = False, slow: bool = False):
     from torch import nn
 
     class Slow(torch.autograd.Function):
-        """The identity, whose backward takes 100 ms and then waits for the I/O queued so
-        far: the disk's reads keep up, however loaded the machine is."""
+        """The identity, whose backward takes 100 ms and then lets the I/O settle (see
+        ``settle`` in ``_train``): the disk's reads keep up, however loaded the machine is."""
 
         @staticmethod
         def forward(ctx, h):
@@ -93,7 +93,16 @@ def _train(path: str, case: dict, mode: object) -> dict:
                                       wrap_policy=WrapPolicy(module_classes=(nn.Linear,)))  # fmt: skip
     state = engine.model_state
     if case.get("slow") and state.swap_io is not None:
-        _SETTLE[:] = [state.swap_io.synchronize]
+        # The disk keeping pace, whatever the machine's load: the queued writes finish, the
+        # buffers they free start their reads (the stepper's poll would at its next
+        # gradient hook, which for the last run comes too late), and those finish too.
+        def settle() -> None:
+            state.swap_io.synchronize()
+            if state.early is not None:
+                state.early.poll()
+            state.swap_io.synchronize()
+
+        _SETTLE[:] = [settle]
     gas = case.get("gas", 1)
     losses, stepped, grad_written = [], [], []
     for s in range(STEPS):
