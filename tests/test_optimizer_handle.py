@@ -99,5 +99,5 @@ def test_the_handle_is_the_program_s_optimizer_to_equality_and_isinstance(own_pr
 def test_initialize_without_a_model_says_so():
     import terascale
 
-    with pytest.raises(ValueError, match="needs a model, a torch.nn.Module; got NoneType"):
+    with pytest.raises(ValueError, match="requires a model, a torch.nn.Module; got NoneType"):
         terascale.initialize(model=None, config={"train_batch_size": 1})
