@@ -27,14 +27,20 @@ def test_tiled_linear_equals_linear_forward_and_backward(in_splits: int, out_spl
     tiled(x).square().sum().backward()
     torch.testing.assert_close(x.grad, want_x, rtol=1e-6, atol=1e-6)
     with torch.no_grad():
-        tiled_grads = {"weight": torch.cat([torch.cat([t.weight.grad for t in row], 1) for row in tiled.tiles], 0)}
+        tiled_grads = {"weight": torch.cat([torch.cat([t.weight.grad for t in row], 1) for row in tiled.linears], 0)}
         if bias:
-            tiled_grads["bias"] = torch.cat([row[-1].bias.grad for row in tiled.tiles])
+            tiled_grads["bias"] = torch.cat([row[-1].bias.grad for row in tiled.linears])
     torch.testing.assert_close(tiled_grads["weight"], linear.weight.grad, rtol=1e-6, atol=1e-6)
     if bias:
         torch.testing.assert_close(tiled_grads["bias"], linear.bias.grad, rtol=1e-6, atol=1e-6)
-        assert all(row[j].bias is None for row in tiled.tiles for j in range(in_splits - 1))
-    assert [[tuple(t.weight.shape) for t in row] for row in tiled.tiles][0][0] == (
+        assert all(row[j].bias is None for row in tiled.linears for j in range(in_splits - 1))
+    # DeepSpeed's names: the grid is ``linears`` (its state dict keys), the chunk boundaries
+    # ``in_parts``/``out_parts``, and tile [i][j] holds W[out_parts[i]:out_parts[i+1], in_parts[j]:...].
+    assert tiled.in_parts[0] == 0 and tiled.in_parts[-1] == 10 and len(tiled.out_parts) == out_splits + 1
+    i, j = out_splits - 1, in_splits - 1
+    block = linear.weight[tiled.out_parts[i] : tiled.out_parts[i + 1], tiled.in_parts[j] : tiled.in_parts[j + 1]]
+    assert torch.equal(tiled.linears[i][j].weight, block) and "linears.0.0.weight" in tiled.state_dict()
+    assert [[tuple(t.weight.shape) for t in row] for row in tiled.linears][0][0] == (
         split_sizes(7, out_splits)[0], split_sizes(10, in_splits)[0])  # fmt: skip
 
 
@@ -67,7 +73,7 @@ def test_tile_linears_keeps_state_dict_keys_and_ties() -> None:
     assert list(after) == list(before)
     for k in before:
         torch.testing.assert_close(after[k], before[k], rtol=0, atol=0)
-    assert all(t.weight.numel() <= 300 for row in model["up"].tiles for t in row)
+    assert all(t.weight.numel() <= 300 for row in model["up"].linears for t in row)
     changed = {k: v + 1 for k, v in before.items()}
     model.load_state_dict(changed)
     for k, v in model.state_dict().items():
@@ -143,7 +149,7 @@ def _zero3_tiled_rank() -> float:
     }  # fmt: skip
     engine, *_ = terascale.initialize(model=model, config=config)
     state = engine.model_state
-    tiles = {id(t) for row in model.big.tiles for t in row}
+    tiles = {id(t) for row in model.big.linears for t in row}
     tile_groups = [fg for plan, fg in zip(state.plans, state.groups) if id(plan.module) in tiles]
     assert len(tile_groups) == 12
     peak = [0]
@@ -156,7 +162,7 @@ def _zero3_tiled_rank() -> float:
     _train_both(engine, plain, rank, world)
     weights = engine.full_state_dict()
     engine.destroy()
-    assert "big.tiles.1.2.weight" in weights
+    assert "big.linears.1.2.weight" in weights
     joined = TiledLinear(48, 60, in_splits=4, out_splits=3)
     joined.load_state_dict({k[4:]: v for k, v in weights.items() if k.startswith("big.")})
     got = {**{f"big.{k}": v for k, v in joined.joined().items()}, **{k: v for k, v in weights.items() if "tiles" not in k}}
@@ -193,7 +199,7 @@ def _tile_above_rank(stage: int) -> dict:
     assert list(weights) == list(want), "the untiled layer's keys"
     for k, v in want.items():
         torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"stage {stage} {k}: {m}")
-    return {"tiles": len(list(model[2].tiles.modules()))}
+    return {"tiles": len(list(model[2].linears.modules()))}
 
 
 @pytest.mark.parametrize("stage", [0, 3])

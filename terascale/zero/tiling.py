@@ -23,6 +23,7 @@ state dict hooks, so checkpoints and ``from_pretrained`` files see the original 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,8 +48,8 @@ class TiledLinear(nn.Module):
     input's feature chunks) instead of one; ``combine_out_splits=False`` returns the
     ``out_splits`` output chunks as a list. ``linear_cls`` builds each tile
     (``linear_cls(in_part, out_part, bias=..., **kwargs)``); ``init_linear`` copies the
-    weights of an existing linear layer. ``tiles[i][j]`` maps input chunk j to output
-    chunk i.
+    weights of an existing linear layer. ``linears[i][j]`` (DeepSpeed's name, so its
+    state dict keys are DeepSpeed's too) maps input chunk j to output chunk i.
     """
 
     def __init__(
@@ -71,7 +72,7 @@ class TiledLinear(nn.Module):
         self.input_is_already_split = input_is_already_split
         self.combine_out_splits = combine_out_splits
         self.use_bias = bias
-        self.tiles = nn.ModuleList(
+        self.linears = nn.ModuleList(
             nn.ModuleList(
                 linear_cls(n_in, n_out, bias=bias and j == in_splits - 1, **kwargs)
                 for j, n_in in enumerate(self.in_sizes)
@@ -90,6 +91,16 @@ class TiledLinear(nn.Module):
     def out_splits(self) -> int:
         return len(self.out_sizes)
 
+    @property
+    def in_parts(self) -> list[int]:
+        """The input chunks' boundaries, ``in_splits + 1`` of them (DeepSpeed's)."""
+        return [0, *itertools.accumulate(self.in_sizes)]
+
+    @property
+    def out_parts(self) -> list[int]:
+        """The output chunks' boundaries, ``out_splits + 1`` of them (DeepSpeed's)."""
+        return [0, *itertools.accumulate(self.out_sizes)]
+
     def forward(self, input_: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
         if self.input_is_already_split:
             inputs = list(input_)
@@ -100,7 +111,7 @@ class TiledLinear(nn.Module):
         else:
             inputs = [input_]
         outputs = []
-        for row in self.tiles:
+        for row in self.linears:
             out = None
             for tile, x in zip(row, inputs):
                 y = tile(x)
@@ -124,17 +135,17 @@ class TiledLinear(nn.Module):
             raise ValueError("copy_params_from: the other layer has a bias and this one not, or the reverse")
         for i, rows in enumerate(weight.split(self.out_sizes, dim=0)):
             for j, block in enumerate(rows.split(self.in_sizes, dim=1)):
-                self.tiles[i][j].weight.copy_(block)
+                self.linears[i][j].weight.copy_(block)
         if bias is not None:
             for i, part in enumerate(bias.split(self.out_sizes)):
-                self.tiles[i][-1].bias.copy_(part)
+                self.linears[i][-1].bias.copy_(part)
 
     def joined(self) -> dict[str, torch.Tensor]:
         """The untiled ``weight`` (and ``bias``), assembled from the tiles (copies)."""
-        weight = torch.cat([torch.cat([t.weight for t in row], dim=1) for row in self.tiles], dim=0)
+        weight = torch.cat([torch.cat([t.weight for t in row], dim=1) for row in self.linears], dim=0)
         out = {"weight": weight}
         if self.use_bias:
-            out["bias"] = torch.cat([row[-1].bias for row in self.tiles])
+            out["bias"] = torch.cat([row[-1].bias for row in self.linears])
         return out
 
     # -- the untiled layer's state dict keys (tile_linears) ------------------------------------
@@ -149,7 +160,7 @@ class TiledLinear(nn.Module):
 
 
 def _join_tiles(module: TiledLinear, state: dict, prefix: str, local_metadata: Any) -> dict:
-    keys = [k for k in state if k.startswith(prefix + "tiles.")]
+    keys = [k for k in state if k.startswith(prefix + "linears.")]
     if any(isinstance(state[k], nn.Parameter) for k in keys):
         # keep_vars=True: the caller wants the parameter objects (ZeRO engines resolve
         # their full values first and join with untiled_state_dict afterwards).
@@ -160,7 +171,7 @@ def _join_tiles(module: TiledLinear, state: dict, prefix: str, local_metadata: A
 def _join(module: TiledLinear, state: dict, prefix: str) -> dict:
     """``state`` with ``module``'s tile entries replaced, where the first of them stood, by
     the joined ``weight`` and ``bias`` (in place: the caller's dict keeps its identity)."""
-    tile = lambda i, j, kind: state[f"{prefix}tiles.{i}.{j}.{kind}"]  # noqa: E731
+    tile = lambda i, j, kind: state[f"{prefix}linears.{i}.{j}.{kind}"]  # noqa: E731
     rows = [torch.cat([tile(i, j, "weight") for j in range(module.in_splits)], dim=1) for i in range(module.out_splits)]
     joined = {prefix + "weight": torch.cat(rows, dim=0)}
     if module.use_bias:
@@ -168,7 +179,7 @@ def _join(module: TiledLinear, state: dict, prefix: str) -> dict:
     items = list(state.items())
     state.clear()
     for key, value in items:
-        if not key.startswith(prefix + "tiles."):
+        if not key.startswith(prefix + "linears."):
             state[key] = value
         elif joined:
             state.update(joined)
@@ -180,7 +191,7 @@ def untiled_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict
     """``state`` (a full state dict of ``model``, by its tiles' names) with the tiles of every
     layer :func:`tile_linears` made joined back under the untiled layer's keys."""
     for name, module in model.named_modules():
-        if isinstance(module, TiledLinear) and module._untiled_keys and f"{name}.tiles.0.0.weight" in state:
+        if isinstance(module, TiledLinear) and module._untiled_keys and f"{name}.linears.0.0.weight" in state:
             _join(module, state, f"{name}." if name else "")
     return state
 
@@ -192,15 +203,15 @@ def _split_tiles(module: TiledLinear, state: dict, prefix: str, *args: Any) -> N
     bias = state.pop(prefix + "bias", None)
     for i, rows in enumerate(weight.split(module.out_sizes, dim=0)):
         for j, block in enumerate(rows.split(module.in_sizes, dim=1)):
-            state[f"{prefix}tiles.{i}.{j}.weight"] = block
+            state[f"{prefix}linears.{i}.{j}.weight"] = block
     if bias is not None:
         for i, part in enumerate(bias.split(module.out_sizes)):
-            state[f"{prefix}tiles.{i}.{module.in_splits - 1}.bias"] = part
+            state[f"{prefix}linears.{i}.{module.in_splits - 1}.bias"] = part
 
 
 def tiles_of(model: nn.Module) -> list[nn.Module]:
     """Every tile of every :class:`TiledLinear` in ``model`` (each is a ZeRO group of its own)."""
-    return [t for m in model.modules() if isinstance(m, TiledLinear) for row in m.tiles for t in row]
+    return [t for m in model.modules() if isinstance(m, TiledLinear) for row in m.linears for t in row]
 
 
 def tile_linears(model: nn.Module, above: int, tile_numel: int | None = None) -> list[str]:

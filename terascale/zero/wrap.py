@@ -116,7 +116,7 @@ def _block_classes(module: nn.Module) -> list[type[nn.Module]]:
 def _repeated_block_classes(root: nn.Module) -> tuple[type[nn.Module], ...]:
     # A TiledLinear's grid of tiles repeats nn.Linear by construction; it says nothing
     # about the model's blocks (its tiles are groups anyway).
-    grids = {id(c) for m in root.modules() if isinstance(m, TiledLinear) for c in m.tiles.modules()}
+    grids = {id(c) for m in root.modules() if isinstance(m, TiledLinear) for c in m.linears.modules()}
     found: list[type[nn.Module]] = []
     for m in root.modules():
         if isinstance(m, (nn.ModuleList, nn.Sequential)) and id(m) not in grids:
