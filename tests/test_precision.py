@@ -104,8 +104,11 @@ def _fp16_rank(static: bool):
         "fp16": fp16,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
     }
-    engine, *_ = terascale.initialize(model=make_model(), config=config)
+    engine, handle, *_ = terascale.initialize(model=make_model(), config=config)
     assert next(engine.module.parameters()).dtype == torch.float16
+    # DeepSpeed's names for the scaler, on the optimizer initialize returns.
+    scaler = handle.loss_scale_config
+    assert scaler is handle.loss_scaler and scaler.dynamic_loss_scale is (not static) and scaler.use_grad_scaling
     x, y = make_data(8, 8)
     record = []
     for s in range(8):
@@ -118,6 +121,8 @@ def _fp16_rank(static: bool):
         engine.step()
         changed = not torch.equal(before, engine.module.head.weight)
         record.append((engine.loss_scale, engine.skipped_steps, changed, engine.was_step_applied()))
+        assert handle.cur_scale == scaler.cur_scale == engine.loss_scale
+        assert scaler.cur_iter == (s + 1 if not static else 0)
     return record
 
 

@@ -9,9 +9,14 @@ class StaticLossScaler:
     """A constant loss scale (``fp16.loss_scale > 0``, or 1.0 for bf16/fp32)."""
 
     dynamic = False
+    dynamic_loss_scale = False  # DeepSpeed's names (its LossScaleConfig) for what follows
+    cur_iter = 0
+    last_overflow_iter = None
+    scale_window = scale_factor = min_loss_scale = None
 
-    def __init__(self, scale: float = 1.0) -> None:
+    def __init__(self, scale: float = 1.0, use_grad_scaling: bool = False) -> None:
         self.scale = float(scale)
+        self.use_grad_scaling = use_grad_scaling  # fp16: gradients carry the scale
 
     @property
     def cur_scale(self) -> float:
@@ -49,6 +54,8 @@ class DynamicLossScaler:
     hysteresis: int = 2
     consecutive_hysteresis: bool = False
     dynamic = True
+    dynamic_loss_scale = True
+    use_grad_scaling = True
 
     def __post_init__(self) -> None:
         self._iter = 0
@@ -75,6 +82,10 @@ class DynamicLossScaler:
     @property
     def cur_hysteresis(self) -> int:
         return self._hysteresis_left
+
+    @property
+    def min_loss_scale(self) -> float:
+        return self.min_scale
 
     def update(self, overflow: bool) -> None:
         """Advance one optimizer step that did (``overflow``) or did not overflow."""
@@ -119,7 +130,7 @@ def build_loss_scaler(fp16) -> LossScaler:
     if not fp16.enabled:
         return StaticLossScaler(1.0)
     if fp16.loss_scale > 0:
-        return StaticLossScaler(fp16.loss_scale)
+        return StaticLossScaler(fp16.loss_scale, use_grad_scaling=True)
     return DynamicLossScaler(
         scale=2.0**fp16.initial_scale_power,
         scale_window=fp16.loss_scale_window,

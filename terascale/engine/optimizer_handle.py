@@ -70,8 +70,11 @@ class OptimizerHandle(torch.optim.Optimizer):
     # DeepSpeed's wrappers carry the fp16 loss scaler; programs log ``optimizer.cur_scale``.
     @property
     def loss_scaler(self) -> Any:
-        """The engine's loss scaler (a static 1.0 without fp16)."""
+        """The engine's loss scaler (a static 1.0 without fp16); it answers DeepSpeed's
+        ``LossScaleConfig`` names too (``loss_scale_config``, DeepSpeed 0.19's)."""
         return self._engine.loss_scaler
+
+    loss_scale_config = loss_scaler
 
     @property
     def cur_scale(self) -> float:
