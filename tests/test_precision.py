@@ -103,6 +103,7 @@ def _fp16_rank(static: bool):
         "steps_per_print": 1000,
         "fp16": fp16,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 1},  # ZeRO: the fp16 hysteresis applies (see the next test)
     }
     engine, handle, *_ = terascale.initialize(model=make_model(), config=config)
     assert next(engine.module.parameters()).dtype == torch.float16
@@ -168,6 +169,19 @@ def test_bf16_check_grad_overflow_skips_non_finite_steps():
     assert checked == [(0, True, True), (1, False, True), (1, True, True), (1, True, True)]
     unchecked = run_ranks(_bf16_overflow_rank, 2, False)[0]  # DeepSpeed's default: no check
     assert [r[:2] for r in unchecked] == [(0, True)] * 4 and not unchecked[1][2]
+
+
+def test_without_zero_every_overflow_lowers_the_scale():
+    """DeepSpeed's fp16 optimizer without ZeRO has no hysteresis (its ZeRO optimizers do)."""
+    from terascale.config.precision import Fp16Config
+    from terascale.engine.loss_scaler import build_loss_scaler
+
+    fp16 = Fp16Config(enabled=True, initial_scale_power=4, hysteresis=2)
+    for stage, after_two in ((0, 4.0), (1, 8.0)):
+        scaler = build_loss_scaler(fp16, stage)
+        scaler.update(True)
+        scaler.update(True)
+        assert scaler.cur_scale == after_two, stage
 
 
 def test_fp16_static_scale_skips_overflow_without_changing_scale():

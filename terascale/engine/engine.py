@@ -84,7 +84,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._state = prepared.state
         self.optimizer = engine_optimizer(optimizer, config, self._state, self._layout)  # None: forward only
         self.lr_scheduler = engine_scheduler(lr_scheduler, config, self.optimizer)
-        self.loss_scaler = build_loss_scaler(config.fp16)
+        self.loss_scaler = build_loss_scaler(config.fp16, int(config.zero_optimization.stage))
 
         train = self._train = TrainState(
             batch.gradient_accumulation_steps, dist_ctx.device, managed=config.managed_gradient_accumulation

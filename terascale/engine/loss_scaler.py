@@ -125,8 +125,10 @@ class DynamicLossScaler:
 LossScaler = StaticLossScaler | DynamicLossScaler
 
 
-def build_loss_scaler(fp16) -> LossScaler:
-    """The scaler for a config's ``fp16`` section (a unit static scaler when fp16 is off)."""
+def build_loss_scaler(fp16, zero_stage: int = 1) -> LossScaler:
+    """The scaler for a config's ``fp16`` section (a unit static scaler when fp16 is off).
+    Without ZeRO (stage 0) every overflow lowers the scale, ``hysteresis`` notwithstanding:
+    DeepSpeed's fp16 optimizer for that case has no hysteresis, its ZeRO optimizers do."""
     if not fp16.enabled:
         return StaticLossScaler(1.0)
     if fp16.loss_scale > 0:
@@ -135,6 +137,6 @@ def build_loss_scaler(fp16) -> LossScaler:
         scale=2.0**fp16.initial_scale_power,
         scale_window=fp16.loss_scale_window,
         min_scale=fp16.min_loss_scale,
-        hysteresis=fp16.hysteresis,
+        hysteresis=fp16.hysteresis if zero_stage > 0 else 1,
         consecutive_hysteresis=fp16.consecutive_hysteresis,
     )
