@@ -211,7 +211,8 @@ def _precision_rank(stage: int, precision: str) -> dict:
         cfg["bf16"] = {"enabled": True}
     else:
         # A huge initial scale overflows first: the skip must be agreed by all ranks.
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 30, "loss_scale_window": 2}
+        # Hysteresis 1: stage 0 has none (DeepSpeed's non-ZeRO fp16 optimizer), so it agrees.
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 30, "loss_scale_window": 2, "hysteresis": 1}
     engine, *_ = terascale.initialize(model=make_model(), config=cfg, wrap_policy=_linear_groups())
     losses = _train(engine, 8)
     return {"losses": losses, "skipped": engine.skipped_steps, "scale": engine.loss_scale}
