@@ -1,14 +1,19 @@
-"""8-bit optimizer states against fp32 Adam: the same training run of the demo GPT, twice.
+"""Compact optimizer states against fp32 Adam: the same training run of the demo GPT, once a variant.
 
     python bench/compact_states.py --n-layer 4 --n-embd 512 --steps 300
     python bench/compact_states.py --n-layer 12 --n-embd 768 --n-head 12 --steps 500   # 85M, long
     python bench/compact_states.py --n-layer 12 --n-embd 768 --n-head 12 --steps 500 --micro-batch 2 --block-size 64
 
+    python bench/compact_states.py --bf16 --optimizers AdamW,AdamW+bf16,AdamW+bf16-nearest   # bf16 states
+
 Runs ``examples/train_gpt.py`` (2 ranks, the demo's data, its config with warm-up and
-decay) with ``AdamW`` and with ``AdamW8bit`` ([Note: compact optimizer states]), the
-stage and offload tier given by ``--zero``, and compares the loss curves: the final loss
-(mean of the last 10 steps) and the held-out loss. Prints a table, writes JSON and a PNG
-of both curves to ``--out``.
+decay) once for each of ``--optimizers``: an optimizer type (``AdamW``, ``AdamW8bit``:
+[Note: compact optimizer states]), optionally with a suffix for bf16 masters and states
+([Note: bf16 masters and optimizer states]; with ``--bf16``): ``+bf16`` (both, rounded
+stochastically), ``+bf16-nearest`` (both, rounded to nearest), ``+bf16masters`` (bf16
+masters, fp32 moments). The stage and offload tier are ``--zero``'s. Compares the loss
+curves: the final loss (mean of the last 10 steps) and the held-out loss. Prints a table,
+writes JSON and a PNG of the curves to ``--out``.
 """
 
 from __future__ import annotations
@@ -21,6 +26,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# bf16 section keys of each variant suffix ([Note: bf16 masters and optimizer states]).
+VARIANTS = {
+    "": {},
+    "bf16": {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+    "bf16-nearest": {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True, "stochastic_rounding": False},
+    "bf16masters": {"bf16_master_weights_and_grads": True},
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,7 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace, optimizer: str) -> dict:
     config = json.loads((ROOT / "examples/configs/gpt_demo.json").read_text())
-    config["optimizer"]["type"] = optimizer
+    kind, _, variant = optimizer.partition("+")
+    if variant not in VARIANTS:
+        raise SystemExit(f"unknown variant {variant!r} of {optimizer!r}: one of {sorted(VARIANTS)[1:]}")
+    if variant and not args.bf16:
+        raise SystemExit(f"{optimizer}: bf16 masters and states need --bf16")
+    config["optimizer"]["type"] = kind
+    config["bf16"] = {**config.get("bf16", {}), **VARIANTS[variant]}
     config["zero_optimization"] = json.loads(args.zero)
     config["scheduler"]["params"]["total_num_steps"] = args.steps
     config["scheduler"]["params"]["warmup_num_steps"] = max(15, args.steps // 20)
@@ -99,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
             ax.plot(range(1, len(m["loss_curve"]) + 1), m["loss_curve"], lw=1, label=name)
         ax.set_xlabel("step")
         ax.set_ylabel("train loss")
-        ax.set_title(f"GPT {args.n_layer} x {args.n_embd}: fp32 vs 8-bit Adam states")
+        ax.set_title(f"GPT {args.n_layer} x {args.n_embd}: optimizer state variants")
         ax.legend()
         fig.tight_layout()
         fig.savefig(Path(args.out) / "loss.png", dpi=120)

@@ -14,9 +14,12 @@ Effective GB/s counts the traffic a step cannot avoid: fp32 job 28 bytes per ele
 ``terascale-8bit`` (not in the default list) is ``AdamW8bit``'s step on the same job
 ([Note: compact optimizer states]); its GB/s column counts the same 28 bytes, so it reads
 as the fp32 step's equivalent, not as its own traffic (16 bytes an element).
+``terascale-bf16`` (not in the default list) keeps the masters and moments in bf16
+([Note: bf16 masters and optimizer states]; 14 bytes an element of traffic), read likewise.
 
     python bench/cpu_adam.py --threads 2 --repeats 3 --peers-python /tmp/peers/bin/python
     python bench/cpu_adam.py --threads 1 --numel 3e7 --jobs bf16 --systems terascale,terascale-8bit,torch-fused
+    python bench/cpu_adam.py --threads 1 --numel 3e7 --jobs bf16 --systems terascale,terascale-bf16,torch-fused
 """
 
 from __future__ import annotations
@@ -55,6 +58,20 @@ def run_one(system: str, job: str, numel: int, steps: int, threads: int) -> list
 
         def step() -> None:
             host_adam.step(opt, [master], [grad], one, [param_out])
+
+    elif system == "terascale-bf16":
+        sys.path.insert(0, str(ROOT))
+        from terascale.offload import host_adam
+        from terascale.optim.rounding import StochasticRounding
+
+        # bf16 masters (the bf16 parameter shard itself) and bf16 moments, rounded stochastically.
+        master = torch.nn.Parameter(master.detach().bfloat16())
+        opt = torch.optim.AdamW([master], fused=True, **kw)
+        rounding = StochasticRounding(host_adam.CHUNK_NUMEL)
+
+        def step() -> None:
+            host_adam.step(opt, [master], [grad.bfloat16()], one, state_dtype=torch.bfloat16, rounding=rounding,
+                           positions=[0])  # fmt: skip
 
     elif system == "terascale-8bit":
         sys.path.insert(0, str(ROOT))

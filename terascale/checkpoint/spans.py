@@ -121,11 +121,16 @@ def optimizer_slices(
 
 
 def create_optimizer_state(
-    optimizer: torch.optim.Optimizer, master: torch.Tensor, keys: dict[str, OptimKey]
+    optimizer: torch.optim.Optimizer,
+    master: torch.Tensor,
+    keys: dict[str, OptimKey],
+    state_dtype: torch.dtype = torch.float32,
 ) -> None:
     """Give ``master`` the optimizer state entries ``keys`` it lacks (values to be loaded).
 
-    Elementwise entries are made like the master; 0-d ones on the CPU, as torch's
+    Elementwise entries are made like the master, floating ones in ``state_dtype`` (what
+    this run keeps, whatever the checkpoint holds: fp32 and bf16 moments load into each
+    other, [Note: bf16 masters and optimizer states]); 0-d ones on the CPU, as torch's
     optimizers keep step counts unless the group is ``fused`` or ``capturable``.
     """
     state = optimizer.state[master]
@@ -137,7 +142,8 @@ def create_optimizer_state(
             if not (isinstance(have, torch.Tensor) and have.dim() == 0):
                 state[key] = torch.zeros((), dtype=spec.dtype, device=master.device if on_device else "cpu")
         elif not (isinstance(have, torch.Tensor) and have.shape == master.shape):
-            state[key] = torch.zeros(master.shape, dtype=spec.dtype, device=master.device)
+            dtype = state_dtype if spec.dtype.is_floating_point else spec.dtype
+            state[key] = torch.zeros(master.shape, dtype=dtype, device=master.device)
 
 
 def optimizer_state_view(

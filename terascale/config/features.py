@@ -193,7 +193,7 @@ FEATURES: tuple[Feature, ...] = (
     ),
     Feature(
         "bf16 master weights / optimizer states",
-        False,
+        True,
         _flags("bf16", "bf16_master_weights_and_grads", "bf16_optimizer_states"),
     ),
     Feature("flops profiler", True, _flags("flops_profiler", "enabled")),

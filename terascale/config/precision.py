@@ -97,13 +97,17 @@ class Fp16Config(Section):
 class Bf16Config(Section):
     """``bf16`` (alias ``bfloat16``): bf16 mixed precision, no loss scaling.
     ``check_grad_overflow``: skip a step whose gradients are not all finite, as fp16 does
-    (counted in ``skipped_steps``); off by default, as in DeepSpeed."""
+    (counted in ``skipped_steps``); off by default, as in DeepSpeed.
+    ``bf16_master_weights_and_grads`` keeps ZeRO's master weights (and gradients) in bf16,
+    ``bf16_optimizer_states`` Adam's moments too; ``stochastic_rounding`` (terascale's key,
+    default on) narrows into them stochastically ([Note: bf16 masters and optimizer states])."""
 
     enabled: bool = False
     immediate_grad_update: bool = False
     check_grad_overflow: bool = False
     bf16_master_weights_and_grads: bool = False
     bf16_optimizer_states: bool = False
+    stochastic_rounding: bool = True
 
 
 class DataTypesConfig(Section):

@@ -41,6 +41,7 @@ from torch import nn
 from terascale.comm import DistributedContext, ReducePolicy
 from terascale.comm.sparse import sparse_gradient_params
 from terascale.config import Config
+from terascale.config.errors import ConfigError
 from terascale.config.precision import cast_module
 from terascale.config.section import TORCH_DTYPES
 from terascale.engine.activations import EngineActivations
@@ -60,6 +61,7 @@ from terascale.parallel.sequence.model import TilePolicy, apply_sequence_paralle
 from terascale.parallel.tensor import auto_tp
 from terascale.zero import ShardedState, WrapPolicy, ZeroOptions
 from terascale.zero.grads import GradPolicy
+from terascale.zero.masters import MasterPrecision
 from terascale.zero.leaf import set_z3_leaf_modules, set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix
 from terascale.zero.schedule import SchedulePolicy
 from terascale.zero.tiling import tile_linears
@@ -214,6 +216,7 @@ def build_model_state(
     group = dist_ctx.zero_group
     if zero.stage == 0:
         zeropp_policy(config)  # says that ZeRO++'s keys do nothing here
+        master_precision(config)  # refuses bf16 masters without ZeRO, as DeepSpeed does
         policy = ReducePolicy(**_reduction(config), accum_dtype=config.grad_accum_dtype, sparse_params=sparse)
         return ReplicatedState(module, param_groups, precision, group, policy, dist_ctx.device, experts)
     if zero.stage == 3 and zero.leaf_module:
@@ -263,6 +266,36 @@ def zero_options(config: Config, wrap: WrapPolicy | None = None) -> ZeroOptions:
         offload_param=param_offload(config),
         allow_untested_optimizer=config.zero_allow_untested_optimizer,
         zeropp=zeropp_policy(config),
+        masters=master_precision(config),
+    )
+
+
+def master_precision(config: Config) -> MasterPrecision:
+    """The masters' and optimizer state's dtypes ``bf16`` asks for ([Note: bf16 masters
+    and optimizer states]); raises ConfigError where DeepSpeed refuses the combination
+    or where it would do something else than the keys say."""
+    bf16 = config.bf16
+    if not (bf16.bf16_master_weights_and_grads or bf16.bf16_optimizer_states):
+        return MasterPrecision()
+    if not bf16.enabled:
+        log.warning("bf16.bf16_master_weights_and_grads / bf16_optimizer_states apply with bf16.enabled only: ignored")
+        return MasterPrecision()
+    problems = []
+    if bf16.bf16_optimizer_states and not bf16.bf16_master_weights_and_grads:
+        problems.append("bf16.bf16_optimizer_states requires bf16_master_weights_and_grads to be enabled")
+    if config.zero_optimization.stage == 0:
+        problems.append("bf16.bf16_master_weights_and_grads is only supported with ZeRO Stage 1, 2, or 3 "
+                        "(zero_optimization.stage is 0)")  # fmt: skip
+    accum = config.data_types.grad_accum_dtype
+    if accum is not None and accum != "bf16":
+        problems.append(f"bf16.bf16_master_weights_and_grads keeps the gradients in bf16, but "
+                        f"data_types.grad_accum_dtype is {accum!r}: drop one of the two")  # fmt: skip
+    if problems:
+        raise ConfigError(problems)
+    return MasterPrecision(
+        dtype=torch.bfloat16,
+        state_dtype=torch.bfloat16 if bf16.bf16_optimizer_states else torch.float32,
+        stochastic_rounding=bf16.stochastic_rounding,
     )
 
 

@@ -103,6 +103,7 @@ class Knobs:
     max_in_cpu: int = 1_000_000_000
     accum_bytes: int | None = None  # data_types.grad_accum_dtype, if set
     state_bytes: float = 8.0  # optimizer state per parameter besides the master
+    master_bytes: int = MASTER_BYTES  # 2 with bf16.bf16_master_weights_and_grads ([Note: bf16 masters and optimizer states])
     optimizer: str = "Adam"
     # The config lets an NVMe optimizer step under backward with one micro-step a window
     # ([Note: the optimizer step under backward]): final gradient shards go to their runs,
@@ -188,8 +189,8 @@ def predict(profile: ModelProfile, shape: Shape, knobs: Knobs, world: int, runti
     psi, trainable = profile.numel, profile.trainable
     dev = "device"
     grad_bytes = knobs.accum_bytes or c
-    # The fp32 master is shared with an fp32 parameter that is not offloaded ([Note: master pieces]).
-    master = 0 if (c == 4 and shape.offload_optimizer == "none") else MASTER_BYTES
+    # The master is shared with a parameter of its dtype that is not offloaded ([Note: master pieces]).
+    master = 0 if (c == knobs.master_bytes and shape.offload_optimizer == "none") else knobs.master_bytes
     per = master + knobs.state_bytes
     states = model_state_bytes(psi, n, s, state_bytes=knobs.state_bytes, param_bytes=c, master_bytes=master,
                                grad_bytes=knobs.accum_bytes if s == 0 else grad_bytes, trainable=trainable)  # fmt: skip

@@ -1,4 +1,5 @@
-"""fp32 master shards: what the optimizer steps when parameters are sharded.
+"""Master shards (fp32, or bf16: [Note: bf16 masters and optimizer states]): what the
+optimizer steps when parameters are sharded.
 
 [Note: master pieces]
 Each rank steps only its own shard of every group. Because a group's parameters are
@@ -18,6 +19,7 @@ elements (a million; four million when the runs are swapped to NVMe, see
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +34,22 @@ RUN_SPLIT_NUMEL = 1 << 20
 MAX_PIECES_PER_SPAN = 64
 # Runs swapped to NVMe end at a group end only from this size: see [Note: optimizer swapping].
 NVME_RUN_SPLIT_NUMEL = 1 << 22
+
+
+@dataclass(frozen=True)
+class MasterPrecision:
+    """The dtypes of the masters and of their optimizer state, and how a step narrows into
+    bf16 ones ([Note: bf16 masters and optimizer states]): DeepSpeed's
+    ``bf16.bf16_master_weights_and_grads`` and ``bf16.bf16_optimizer_states``."""
+
+    dtype: torch.dtype = torch.float32
+    state_dtype: torch.dtype = torch.float32
+    stochastic_rounding: bool = True
+
+    @property
+    def low(self) -> bool:
+        """Whether anything the optimizer keeps is narrower than fp32."""
+        return self.dtype != torch.float32 or self.state_dtype != torch.float32
 
 
 @dataclass(frozen=True)
@@ -91,6 +109,7 @@ class ShardedMasters:
         run_split_numel: int = RUN_SPLIT_NUMEL,
     ) -> None:
         self.groups = list(groups)
+        self._bases = [0, *itertools.accumulate(fg.layout.numel for fg in self.groups)]  # see positions()
         self.pieces = [p for g, (plan, fg) in enumerate(zip(plans, groups)) for p in _pieces(plan, fg, g, sub_group_size)]
         self.sub_group_size = max(1, sub_group_size)
         self.runs = self._runs(run_split_numel)
@@ -151,6 +170,17 @@ class ShardedMasters:
                     "or loss.backward() on it before engine.step()"
                 )
             out.append(shard[p.lo : p.hi])
+        return out
+
+    def positions(self, run: Sequence[int]) -> list[int]:
+        """Each piece's model position: its group's base (the elements of the groups
+        before it) plus its first element's offset in the group's flat layout, the same
+        at every world size and on every rank."""
+        out = []
+        for i in run:
+            p = self.pieces[i]
+            fg = self.groups[p.group]
+            out.append(self._bases[p.group] + fg.layout.shard_range(fg.rank)[0] + p.lo)
         return out
 
     def sub_groups(self) -> list[list[int]]:

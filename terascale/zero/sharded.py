@@ -27,15 +27,17 @@ from torch.distributed import ProcessGroup
 from terascale.checkpoint.spans import OptimKey, ParamInfo, Slice, SliceMode
 from terascale.comm import all_gather_flat, duplicate_group, ops
 from terascale.comm.collectives import global_grad_sq_norm
+from terascale.errors import UsageError
 from terascale.offload import AsyncIO, OptimizerOffload, host_adam
-from terascale.optim.compact import is_compact
 from terascale.offload.aio import IoActivity, io_traffic
 from terascale.offload.grads import GradSwapper
 from terascale.offload.optimizer import OptimizerSwapper
 from terascale.offload.params import OffloadedParams
-from terascale.offload.policy import ParamOffload
+from terascale.offload.policy import ParamOffload, can_pin_memory
 from terascale.offload.swap import SwapDirectory
+from terascale.offload.transfer import HostStepTransfers
 from terascale.optim.lamb import Lamb
+from terascale.optim.rounding import StochasticRounding
 from terascale.zero.flat_group import FlatParamGroup, FullBuffers, ShardState, keeps_full_buffers
 from terascale.zero.gather import owner_of, register_owner, unregister
 from terascale.zero.param_attributes import ParameterOffload, Partition, expose, group_partition, withdraw
@@ -47,8 +49,9 @@ from terascale.zero.host import (
     return_freed_host_memory,
     reuse_large_allocations,
 )
-from terascale.zero.masters import NVME_RUN_SPLIT_NUMEL, RUN_SPLIT_NUMEL, ShardedMasters
+from terascale.zero.masters import NVME_RUN_SPLIT_NUMEL, RUN_SPLIT_NUMEL, MasterPrecision, ShardedMasters
 from terascale.zero.optimizers import Segments, SumNorms, check_shardable
+from terascale.zero.run_step import Regathers, RunStep, masters_with_grads
 from terascale.zero.schedule import ParamSchedule, SchedulePolicy
 from terascale.zero.state_io import sharded_grad_slices, sharded_slices
 from terascale.zero.wrap import GroupPlan, WrapPolicy, plan_groups
@@ -71,6 +74,7 @@ class ZeroOptions:
     offload_param: ParamOffload = field(default_factory=ParamOffload)
     allow_untested_optimizer: bool = False  # zero_allow_untested_optimizer
     zeropp: ZeroPPPolicy = field(default_factory=ZeroPPPolicy)
+    masters: MasterPrecision = field(default_factory=MasterPrecision)  # bf16 masters / optimizer states
 
     def __post_init__(self) -> None:
         assert self.stage in (1, 2, 3), self.stage
@@ -181,6 +185,14 @@ class ShardedState:
         self._param_number = {id(p): k for k, p in enumerate(trainable)}
         self._param_opt_group = [opt_group_of[id(p)] for p in trainable]
         self.masters, self.swapper = self._place_masters(options.offload_optimizer)
+        low = options.masters.low and options.masters.stochastic_rounding
+        chunk = max((host_adam.chunk_numel_for(m.device) for m in self.masters.masters), default=0)
+        self._rounding = StochasticRounding(chunk) if low else None  # [Note: bf16 masters and optimizer states]
+        self._transfers = (
+            HostStepTransfers(device, pin_memory=can_pin_memory(), grad_dtype=options.grads.dtype, param_dtype=dtype)
+            if options.offload_optimizer.enabled and HostStepTransfers.needed(device)
+            else None
+        )  # [Note: the host step's transfers]
         nvme_params = self.params is not None and options.offload_param.device == "nvme"
         self.schedule = (
             ParamSchedule(
@@ -221,13 +233,14 @@ class ShardedState:
         )
 
     def _place_masters(self, tier: OptimizerOffload) -> tuple[ShardedMasters, OptimizerSwapper | None]:
-        """fp32 masters on the optimizer's tier; the first ``tier.ratio`` of the runs there,
-        the rest with the parameter shards (see [Note: optimizer swapping])."""
+        """Masters (fp32, or bf16: [Note: bf16 masters and optimizer states]) on the
+        optimizer's tier; the first ``tier.ratio`` of the runs there, the rest with the
+        parameter shards (see [Note: optimizer swapping])."""
         host = torch.device("cpu")
         masters = ShardedMasters(
             self.plans,
             self.groups,
-            torch.float32,
+            self.options.masters.dtype,
             self.options.sub_group_size,
             device=host if tier.enabled else None,
             # Masters that alias a shard would move (or vanish) with it.
@@ -389,7 +402,7 @@ class ShardedState:
 
         # Runs go in group order (offloaded runs are the first ones); each group's
         # all-gather starts as soon as its last run is done, under the next runs' updates.
-        regathers = _Regathers(self.groups, self.options.allgather_bucket_numel)
+        regathers = Regathers(self.groups, self.options.allgather_bucket_numel)
 
         def step_and_regather(run: list[int]) -> None:
             step_run(run)
@@ -397,12 +410,18 @@ class ShardedState:
 
         todo = {run[0] for run in (self.masters.runs if runs is None else runs)}  # runs are disjoint
         swapped = set() if self.swapper is None else {i for run in self.swapper.runs for i in run}
-        if self.swapper is not None:
-            order = [k for k, run in enumerate(self.swapper.runs) if run[0] in todo]
-            self.swapper.step(optimizer, step_and_regather, order)
-        for run in self.masters.sub_groups():
-            if run[0] not in swapped and run[0] in todo:
+        order = [] if self.swapper is None else [k for k, run in enumerate(self.swapper.runs) if run[0] in todo]
+        resident = [run for run in self.masters.sub_groups() if run[0] not in swapped and run[0] in todo]
+        if self._transfers is not None:  # [Note: the host step's transfers]: in stepping order
+            self._transfers.begin([self.swapper.runs[k] for k in order] + resident, grads_of)
+        try:
+            if self.swapper is not None:
+                self.swapper.step(optimizer, step_and_regather, order)
+            for run in resident:
                 step_and_regather(run)
+        finally:
+            if self._transfers is not None:
+                self._transfers.finish()
         if self.params is not None:
             self.params.finish_step()
         regathers.finish()
@@ -412,39 +431,18 @@ class ShardedState:
         optimizer: torch.optim.Optimizer,
         multiplier: torch.Tensor,
         grads_of: Callable[[list[int]], list[torch.Tensor]],
-    ) -> Callable[[list[int]], None]:
+    ) -> RunStep:
         """``step_run(run)``: one optimizer call over run ``run`` (its masters swapped in, if
         on NVMe) with gradients ``grads_of(run) × multiplier``, and its new values written
-        into the parameter shards (or their tier)."""
-        masters = self.masters.masters
-        write = None if self.params is None else self.params.write_piece
-        fused_host = self.options.offload_optimizer.enabled and host_adam.supports(optimizer)
-        compact = is_compact(optimizer)
-        run_index = {run[0]: k for k, run in enumerate(self.masters.runs)}  # runs are disjoint
-
-        def step_run(run: list[int]) -> None:
-            with ops.named_range("terascale::optimizer run", run_index[run[0]]):
-                step_run_now(run)
-
-        def step_run_now(run: list[int]) -> None:
-            pieces = dict(zip(run, grads_of(run)))
-            if compact:
-                # [Note: compact optimizer states]: gradients widened per chunk, as on the host.
-                outs = [self._host_output(i, write) for i in run]
-                optimizer.step_with([masters[i] for i in run], [pieces[i] for i in run], multiplier, outs)
-                self.masters.write_to_shards([i for i, out in zip(run, outs) if out is None], write)
-                return
-            if fused_host and all(masters[i].device.type == "cpu" for i in run):
-                # [Note: host Adam]: widen, step and narrow per cached chunk.
-                outs = [self._host_output(i, write) for i in run]
-                host_adam.step(optimizer, [masters[i] for i in run], [pieces[i] for i in run], multiplier.cpu(), outs)
-                self.masters.write_to_shards([i for i, out in zip(run, outs) if out is None], write)
-                return
-            with self._masters_with_grads(run, [pieces[i] for i in run], multiplier):
-                optimizer.step()
-            self.masters.write_to_shards(run, write)
-
-        return step_run
+        into the parameter shards (or their tier): :class:`terascale.zero.run_step.RunStep`."""
+        return RunStep(
+            self.masters, optimizer, multiplier, grads_of,
+            write=None if self.params is None else self.params.write_piece,
+            offloaded=self.options.offload_optimizer.enabled,
+            precision=self.options.masters,
+            rounding=self._rounding,
+            transfers=self._transfers,
+        )  # fmt: skip
 
     def _step_by_parameter_norms(
         self,
@@ -465,12 +463,12 @@ class ShardedState:
         rows = torch.zeros(segments.num_params, 2, dtype=torch.float32, device=self.device)
         runs = self.masters.sub_groups()
         for run in runs:
-            with self._masters_with_grads(run, grads_of(run), multiplier):
+            with masters_with_grads(self.masters, run, grads_of(run), multiplier):
                 optimizer.accumulate_norms([masters[i] for i in run], [segments.of[i] for i in run], rows)
         segments.reduce(rows)
         if sum_norms is not None:
             sum_norms(rows, self._trainable)
-        regathers = _Regathers(self.groups, self.options.allgather_bucket_numel)
+        regathers = Regathers(self.groups, self.options.allgather_bucket_numel)
         for k, run in enumerate(runs):
             with ops.named_range("terascale::optimizer run", k):
                 optimizer.apply_norms([masters[i] for i in run], [segments.of[i] for i in run], rows, self._param_opt_group)
@@ -479,21 +477,6 @@ class ShardedState:
         if self.params is not None:
             self.params.finish_step()
         regathers.finish()
-
-    @contextlib.contextmanager
-    def _masters_with_grads(self, run: list[int], pieces: Sequence[torch.Tensor], multiplier: torch.Tensor) -> Iterator[None]:
-        """Run ``run``'s masters with their fp32 gradients ``pieces × multiplier`` (made on
-        the masters' device, in one copy on an offload tier) while the body steps them."""
-        masters = self.masters.masters
-        grads = [g.to(device=masters[i].device, dtype=torch.float32) for i, g in zip(run, pieces)]
-        torch._foreach_mul_(grads, multiplier.to(masters[run[0]].device))
-        for i, grad in zip(run, grads):
-            masters[i].grad = grad
-        try:
-            yield
-        finally:
-            for i in run:
-                masters[i].grad = None
 
     @functools.cached_property
     def _segments(self) -> Segments:
@@ -526,14 +509,6 @@ class ShardedState:
             yield lambda run: reader.get(index[run[0]])
         finally:
             reader.close()
-
-    def _host_output(self, i: int, write: object) -> torch.Tensor | None:
-        """Piece ``i``'s slice of its parameter shard, if the host step can write it directly."""
-        if write is not None or self.masters.shares_storage[i]:
-            return None
-        piece = self.masters.pieces[i]
-        shard = self.groups[piece.group].shard
-        return shard[piece.lo : piece.hi] if shard.device.type == "cpu" else None
 
     def _refuse_mid_step(self, what: str) -> None:
         """Raise if the optimizer stepped under the window's last backward and
@@ -599,7 +574,7 @@ class ShardedState:
     ) -> Iterator[list[Slice]]:
         """This rank's shards as checkpoint spans, chunk by chunk (see ``[Note: logical checkpoints]``)."""
         self._refuse_mid_step("reading or writing the state (a checkpoint save or load, safe_get_*/safe_set_*)")
-        return sharded_slices(self, optimizer, mode, optim_keys)
+        return sharded_slices(self, optimizer, mode, optim_keys, self.options.masters.state_dtype)
 
     def grad_slices(self, mode: SliceMode) -> list[Slice]:
         """This rank's gradient shards as ``grad`` spans (see :func:`sharded_grad_slices`)."""
@@ -725,6 +700,12 @@ class ShardedState:
         """Raise ValueError unless ``optimizer`` may step this rank's flat pieces
         (``[Note: optimizers on shards]``)."""
         check_shardable(optimizer, self.options.stage, self.options.allow_untested_optimizer)
+        if self.options.masters.low and not host_adam.supports_low_precision(optimizer):
+            raise UsageError(
+                f"bf16.bf16_master_weights_and_grads / bf16_optimizer_states step Adam or AdamW (torch's, or the "
+                f"config's optimizer type Adam/AdamW); got {type(optimizer).__name__}. Use Adam/AdamW, or keep fp32 "
+                "masters (drop those keys)"
+            )
         if isinstance(optimizer, Lamb) and self.swapper is not None:
             raise ValueError(
                 "Lamb with zero_optimization.offload_optimizer.device 'nvme': the trust ratios need two passes "
@@ -746,34 +727,6 @@ class ShardedState:
         withdraw([p for fg in self.groups for p in fg.params])
         if self.schedule is not None:
             self.schedule.remove_hooks()
-
-
-class _Regathers:
-    """All-gathers persistent groups after the step, in group order (the same on every rank
-    whatever pieces it owns), at most ``bucket_numel`` elements in flight."""
-
-    def __init__(self, groups: Sequence[FlatParamGroup], bucket_numel: int) -> None:
-        self.groups = groups
-        self.bucket_numel = bucket_numel
-        self._next = 0
-        self._in_flight: list[FlatParamGroup] = []
-
-    def launch_before(self, limit: int) -> None:
-        """Start the all-gathers of persistent groups with index < ``limit`` not started yet."""
-        for fg in self.groups[self._next : limit]:
-            if not fg.persistent:
-                continue
-            fg.regather(async_op=True)
-            self._in_flight.append(fg)
-            while len(self._in_flight) > 1 and sum(f.layout.padded_numel for f in self._in_flight) > self.bucket_numel:
-                self._in_flight.pop(0).wait()
-        self._next = max(self._next, limit)
-
-    def finish(self) -> None:
-        self.launch_before(len(self.groups))
-        for fg in self._in_flight:
-            fg.wait()
-        self._in_flight = []
 
 
 def _initial_shape(param: nn.Parameter) -> torch.Size:

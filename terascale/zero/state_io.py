@@ -67,11 +67,12 @@ def sharded_slices(
     optimizer: torch.optim.Optimizer,
     mode: SliceMode,
     optim_keys: dict[str, OptimKey] | None = None,
+    state_dtype: torch.dtype = torch.float32,
 ) -> Iterator[list[Slice]]:
     """This rank's spans of ``st`` chunk by chunk (see :class:`SliceMode`).
 
     With LOAD, optimizer state entries ``optim_keys`` are created where missing (None:
-    no optimizer state is loaded), each chunk goes back to its tier once the consumer
+    no optimizer state is loaded; floating ones in ``state_dtype``), each chunk goes back to its tier once the consumer
     moves on, and the loaded masters are written into the parameter shards and the
     persistent groups all-gathered when the iteration ends.
     """
@@ -112,7 +113,7 @@ def sharded_slices(
         with resident:
             if load and optim_keys:
                 for i in run:
-                    create_optimizer_state(optimizer, masters.masters[i], optim_keys)
+                    create_optimizer_state(optimizer, masters.masters[i], optim_keys, state_dtype)
             tensors = {i: masters.masters[i] for i in run}
             states = {i: optimizer_state_view(optimizer, masters.masters[i]) if (optim_keys or not load) else {} for i in run}
             yield _run_slices(st, run, tensors, states, with_all_scalars=load)
