@@ -240,3 +240,43 @@ def test_resilience_on_cuda(tmp_path):
     steps, skipped, saved, compute_s = run_ranks(_resilience_on_cuda, 1, str(tmp_path))[0]
     assert (steps, skipped) == (4, 1)
     assert saved == ["global_step2", "global_step4", "latest"] and compute_s > 0
+
+
+def _host_step_rank(offload: bool, bf16_states: bool) -> dict:
+    import terascale
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    zero = {"stage": 2, "sub_group_size": 1000, **({"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {})}
+    bf16 = {"enabled": True, "bf16_master_weights_and_grads": bf16_states, "bf16_optimizer_states": bf16_states}
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.5, "bf16": bf16,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": zero}  # fmt: skip
+    engine, *_ = terascale.initialize(model=model, config=config)
+    g = torch.Generator().manual_seed(5)
+    losses = []
+    for _ in range(4):
+        x, y = torch.randn(4, 32, generator=g), torch.randn(4, 8, generator=g)
+        loss = (engine(x.to("cuda", torch.bfloat16)).float() - y.cuda()).square().mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    transfers = engine.model_state._transfers
+    pinned = transfers is not None and all(
+        b is None or b.is_pinned() for st in (transfers._down, transfers._up) for b in st.buffers
+    )
+    out = {"losses": losses, "staged": transfers is not None, "pinned": pinned,
+           "params": {n: p.float().cpu() for n, p in engine.full_state_dict().items()}}  # fmt: skip
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("bf16_states", [False, True])
+def test_host_step_on_cuda_goes_through_pinned_staging_and_matches_the_device_step(bf16_states):
+    # [Note: the host step's transfers]: gradients down and new values up through pinned
+    # buffers on a copy stream; the host's fused AdamW against the device's, a few ulps apart.
+    device = run_ranks(_host_step_rank, 1, False, bf16_states)[0]
+    host = run_ranks(_host_step_rank, 1, True, bf16_states)[0]
+    assert host["staged"] and host["pinned"] and not device["staged"]
+    torch.testing.assert_close(torch.tensor(host["losses"]), torch.tensor(device["losses"]), rtol=2e-2, atol=1e-3)
+    for name, value in device["params"].items():
+        torch.testing.assert_close(host["params"][name], value, rtol=2e-2, atol=2e-2)
