@@ -9,7 +9,8 @@ when DeepSpeed imports (its CUDA ops build on first use: ``--ds-extensions`` kee
 - ``offload``: a GPT of ~1.3B parameters (24 layers, width 2048, GPT-3 XL's shape), bf16,
   ZeRO-3 with the optimizer state and the AdamW step on the host (ZeRO-Offload's headline
   case). Both libraries get the same DeepSpeed config and the same tokens; tokens/s and
-  TFLOP/s per system, with each step's loss (the first must agree to bf16 rounding).
+  TFLOP/s per system, with each step's loss (the first must agree to bf16 rounding). Then
+  the same with ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states``.
 - ``largest``: the largest GPT that trains with parameters and optimizer state on the host
   (ZeRO-3, ``offload_param`` and ``offload_optimizer`` to cpu, built inside ``zero.Init``).
   Width 4096 (32 heads), the number of layers searched upwards from an estimate of what the
@@ -91,7 +92,9 @@ def _config(spec: dict) -> dict:
         # The breakdown job logs the last step's phases (synchronised: not the timed jobs).
         "steps_per_print": spec["steps"] if spec.get("breakdown") else 10**9,
         "wall_clock_breakdown": bool(spec.get("breakdown")),
-        "bf16": {"enabled": spec["bf16"]},
+        # bf16 masters and Adam moments ([Note: bf16 masters and optimizer states]).
+        "bf16": {"enabled": spec["bf16"], **({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+                                             if spec.get("bf16_states") else {})},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
         "zero_optimization": zero,
     }
@@ -306,6 +309,12 @@ def main(argv: list[str] | None = None) -> dict:
                 figures[f"offload_1.3B_{system}"] = {**_rates(res), "losses": res["losses"],
                                                      "peak_device_gib": res["peak_device_gib"],
                                                      "peak_rss_gib": res["peak_rss_gib"]}
+        for system in systems:  # the same with bf16 masters and moments on the host (half the host traffic)
+            res = job(_spec(args, system, gas=args.gas, offload_optimizer=True, bf16_states=True), min(150.0, left()))
+            if res.get("fits"):
+                figures[f"offload_1.3B_{system}_bf16_states"] = {**_rates(res), "losses": res["losses"],
+                                                                 "peak_device_gib": res["peak_device_gib"],
+                                                                 "peak_rss_gib": res["peak_rss_gib"]}
         if "terascale" in systems:  # where terascale's offload step spends its time (its own log line)
             res = job(_spec(args, "terascale", gas=args.gas, offload_optimizer=True, steps=2, breakdown=True),
                       min(120.0, left()))

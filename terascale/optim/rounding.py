@@ -22,11 +22,11 @@ The noise of an element is a function of the step and of the element's *position
 the model (its group's base plus its offset in the group's flat layout), not of how a
 rank cuts its shard into pieces, runs and chunks: so stages 1 and 2 and every offload
 tier give bit-identical results, and a resume from a checkpoint continues exactly. Per
-step, one table of ``TABLE_NUMEL`` uniform 16-bit integers is drawn from a generator
-seeded by the step; an element at position ``e`` of tensor role ``r`` takes entry
-``(e + r·ROLE_STRIDE) mod TABLE_NUMEL``. A chunk is then a contiguous view of the table
-(it is ``TABLE_NUMEL`` plus a chunk long), so the noise costs no pass of its own.
-Elements ``TABLE_NUMEL`` apart share their noise within a step, which correlates the
+step, one table of ``P`` uniform 16-bit integers is drawn from a generator seeded by the
+step (``P``: the model's elements, at most ``TABLE_NUMEL``); an element at position ``e``
+of tensor role ``r`` takes entry ``(e + r·ROLE_STRIDE) mod P``. A chunk is then a
+contiguous view of the table (it is ``P`` plus a chunk long), so the noise costs no pass
+of its own. Elements ``P`` apart share their noise within a step, which correlates the
 rounding errors of parameters four million elements apart: harmless for training, and
 what keeps the cost at three elementwise passes a tensor.
 """
@@ -42,10 +42,15 @@ _LOW_HALF = -65536  # 0xFFFF0000 as an int32: keeps sign, exponent and bf16's 7 
 
 
 class StochasticRounding:
-    """The step's noise tables (one per device), drawn when a step asks for them."""
+    """The step's noise tables (one per device), drawn when a step asks for them.
 
-    def __init__(self, max_chunk_numel: int) -> None:
+    ``period``: the table's length, at most ``TABLE_NUMEL``; a model of fewer elements
+    passes its size (the same at every layout), so no two of its elements share noise and
+    a small model's step draws no more than it needs."""
+
+    def __init__(self, max_chunk_numel: int, period: int = TABLE_NUMEL) -> None:
         self.max_chunk_numel = max_chunk_numel
+        self.period = max(1, min(period, TABLE_NUMEL))
         self._tables: dict[torch.device, tuple[int, torch.Tensor]] = {}
 
     def noise(self, step: int, device: torch.device, position: int, numel: int, role: int) -> torch.Tensor:
@@ -54,12 +59,12 @@ class StochasticRounding:
         assert numel <= self.max_chunk_numel, (numel, self.max_chunk_numel)
         have = self._tables.get(device)
         if have is None or have[0] != step:
-            table = have[1] if have is not None else torch.empty(TABLE_NUMEL + self.max_chunk_numel, dtype=torch.int32, device=device)
+            table = have[1] if have is not None else torch.empty(self.period + self.max_chunk_numel, dtype=torch.int32, device=device)
             generator = torch.Generator(device=device)
             generator.manual_seed(_SEED * 1_000_003 + step)
             table.random_(0, 1 << 16, generator=generator)
             self._tables[device] = have = (step, table)
-        start = (position + role * ROLE_STRIDE) % TABLE_NUMEL
+        start = (position + role * ROLE_STRIDE) % self.period
         return have[1][start : start + numel]
 
 

@@ -187,7 +187,8 @@ class ShardedState:
         self.masters, self.swapper = self._place_masters(options.offload_optimizer)
         low = options.masters.low and options.masters.stochastic_rounding
         chunk = max((host_adam.chunk_numel_for(m.device) for m in self.masters.masters), default=0)
-        self._rounding = StochasticRounding(chunk) if low else None  # [Note: bf16 masters and optimizer states]
+        elements = sum(fg.layout.numel for fg in self.groups)  # the same at every layout
+        self._rounding = StochasticRounding(chunk, elements) if low else None  # [Note: bf16 masters and optimizer states]
         self._transfers = (
             HostStepTransfers(device, pin_memory=can_pin_memory(), grad_dtype=options.grads.dtype, param_dtype=dtype)
             if options.offload_optimizer.enabled and HostStepTransfers.needed(device)
