@@ -64,6 +64,7 @@ class RunStep:
         self.fused_host = offloaded and host_adam.supports(optimizer)
         self.compact = is_compact(optimizer)
         self.run_index = {run[0]: k for k, run in enumerate(masters.runs)}  # runs are disjoint
+        self._multipliers: dict[torch.device, torch.Tensor] = {}
         # The step being taken, the seed of its rounding noise ([Note: bf16 masters and
         # optimizer states]): every piece keeps the same count; one read a step.
         first = optimizer.state.get(masters.masters[0], {}).get("step") if masters.masters and precision.low else None
@@ -81,24 +82,33 @@ class RunStep:
         transfers = self.transfers if self.transfers is not None and self.transfers.active and on_host else None
         grads = transfers.host_grads(run) if transfers is not None else self.grads_of(run)
         if not (self.precision.low or self.compact or (self.fused_host and on_host)):
-            with masters_with_grads(self.masters, run, grads, self.multiplier):
+            with masters_with_grads(self.masters, run, grads, self._multiplier_on(params[0].device)):
                 self.optimizer.step()
             self.masters.write_to_shards(run, self.write)
             return
         outs, destinations = self._outputs(run, transfers)
+        multiplier = self._multiplier_on(params[0].device)
         if self.precision.low:
             host_adam.step(
-                self.optimizer, params, grads, self.multiplier, outs, host_adam.chunk_numel_for(params[0].device),
+                self.optimizer, params, grads, multiplier, outs, host_adam.chunk_numel_for(params[0].device),
                 state_dtype=self.precision.state_dtype, rounding=self.rounding,
                 positions=self.masters.positions(run), step_number=self.step_number,
             )  # fmt: skip
         elif self.compact:
-            self.optimizer.step_with(params, grads, self.multiplier, outs)
+            self.optimizer.step_with(params, grads, multiplier, outs)
         else:
-            host_adam.step(self.optimizer, params, grads, self.multiplier.cpu(), outs)
+            host_adam.step(self.optimizer, params, grads, multiplier, outs)
         if destinations:
             transfers.upload(run, destinations)
         self.masters.write_to_shards([i for i, out in zip(run, outs) if out is None], self.write)
+
+    def _multiplier_on(self, device: torch.device) -> torch.Tensor:
+        """The multiplier on ``device``, copied there once a step: a copy to the host waits
+        for the device, and once the step's uploads are queued it would wait for them too
+        ([Note: the host step's transfers])."""
+        if device not in self._multipliers:
+            self._multipliers[device] = self.multiplier.to(device)
+        return self._multipliers[device]
 
     def _outputs(
         self, run: list[int], transfers: HostStepTransfers | None
