@@ -261,7 +261,7 @@ class EarlyStep:
                 self._step_next()
             rest = [run for r, run in enumerate(self.runs) if r not in self._done]
             with self.state._run_grads(rest) as grads_of:
-                self.state._step_runs(self.optimizer, multiplier, grads_of, runs=rest)
+                self.state._step_runs(self.optimizer, multiplier, grads_of, runs=rest, step_number=self._step_run.step_number)
         finally:
             self._disarm()
 

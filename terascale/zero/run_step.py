@@ -52,6 +52,7 @@ class RunStep:
         precision: MasterPrecision,
         rounding: StochasticRounding | None,
         transfers: HostStepTransfers | None,
+        step_number: int | None = None,
     ) -> None:
         self.masters = masters
         self.optimizer = optimizer
@@ -66,9 +67,12 @@ class RunStep:
         self.run_index = {run[0]: k for k, run in enumerate(masters.runs)}  # runs are disjoint
         self._multipliers: dict[torch.device, torch.Tensor] = {}
         # The step being taken, the seed of its rounding noise ([Note: bf16 masters and
-        # optimizer states]): every piece keeps the same count; one read a step.
-        first = optimizer.state.get(masters.masters[0], {}).get("step") if masters.masters and precision.low else None
-        self.step_number = 1 + (0 if first is None else int(first))
+        # optimizer states]): every piece keeps the same count before the step; one read a
+        # step (given when some runs of this step were already taken under backward).
+        if step_number is None:
+            first = optimizer.state.get(masters.masters[0], {}).get("step") if masters.masters and precision.low else None
+            step_number = 1 + (0 if first is None else int(first))
+        self.step_number = step_number
 
     def __call__(self, run: list[int]) -> None:
         with ops.named_range("terascale::optimizer run", self.run_index[run[0]]):

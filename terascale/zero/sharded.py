@@ -392,14 +392,16 @@ class ShardedState:
         multiplier: torch.Tensor,
         grads_of: Callable[[list[int]], list[torch.Tensor]],
         runs: Sequence[list[int]] | None = None,
+        step_number: int | None = None,
     ) -> None:
         """Step each run (of ``runs``; default: all) with its gradients ``grads_of(run)``,
         writing the new values into the parameter shards and re-gathering persistent groups
         behind it. Given ``runs``, the others were stepped under backward ([Note: the
-        optimizer step under backward]): nothing of theirs is settled or stepped again."""
+        optimizer step under backward]): nothing of theirs is settled or stepped again, and
+        ``step_number`` is the step those took (:class:`RunStep`)."""
         if self.params is not None and runs is None:
             self.params.settle()
-        step_run = self._run_stepper(optimizer, multiplier, grads_of)
+        step_run = self._run_stepper(optimizer, multiplier, grads_of, step_number)
 
         # Runs go in group order (offloaded runs are the first ones); each group's
         # all-gather starts as soon as its last run is done, under the next runs' updates.
@@ -432,6 +434,7 @@ class ShardedState:
         optimizer: torch.optim.Optimizer,
         multiplier: torch.Tensor,
         grads_of: Callable[[list[int]], list[torch.Tensor]],
+        step_number: int | None = None,
     ) -> RunStep:
         """``step_run(run)``: one optimizer call over run ``run`` (its masters swapped in, if
         on NVMe) with gradients ``grads_of(run) × multiplier``, and its new values written
@@ -443,6 +446,7 @@ class ShardedState:
             precision=self.options.masters,
             rounding=self._rounding,
             transfers=self._transfers,
+            step_number=step_number,
         )  # fmt: skip
 
     def _step_by_parameter_norms(
