@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import state_tiers
 from distributed import run_ranks
 from terascale.optim import CompactAdam, build_optimizer, state_bytes_per_element
 from terascale.optim.quantize import Code, blocks, decode, encode
@@ -109,56 +110,6 @@ def _config(stage: int, opt: str = "AdamW8bit", zero: dict | None = None, world:
     }
 
 
-def _model():
-    from torch import nn
-
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
-
-
-def _batches(rank: int, steps: int):
-    g = torch.Generator().manual_seed(100 + rank)
-    return [(torch.randn(4, 32, generator=g), torch.randn(4, 8, generator=g)) for _ in range(steps)]
-
-
-def _train(engine, batches) -> list[float]:
-    losses = []
-    for x, y in batches:
-        loss = (engine(x) - y).square().mean()
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
-
-
-def _tiers_rank(configs: list[dict], save_dir: str) -> list[dict]:
-    import torch.distributed as dist
-
-    import terascale
-
-    out = []
-    for k, config in enumerate(configs):
-        engine, *_ = terascale.initialize(model=_model(), config=config)
-        batches = _batches(dist.get_rank(), 6)
-        losses = _train(engine, batches[:3])
-        engine.save_checkpoint(save_dir, tag=f"c{k}")
-        losses += _train(engine, batches[3:])
-        mem = engine.memory_breakdown()
-        swapper = getattr(engine.model_state, "swapper", None)
-        disk = swapper.nbytes_on_disk() if swapper is not None else 0
-        params = {n: p.detach().clone() for n, p in engine.full_state_dict().items()}
-        engine.destroy()
-        # Exact resume: a new engine from the checkpoint repeats steps 4-6 bit for bit.
-        engine, *_ = terascale.initialize(model=_model(), config=config)
-        engine.load_checkpoint(save_dir, tag=f"c{k}")
-        resumed = _train(engine, batches[3:])
-        resumed_params = engine.full_state_dict()
-        engine.destroy()
-        out.append({"losses": losses, "resumed": resumed, "params": params, "opt_bytes": mem["optimizer_state"],
-                    "disk": disk, "resumed_equal": all(torch.equal(params[n], resumed_params[n]) for n in params)})  # fmt: skip
-    return out
-
-
 def test_every_tier_steps_the_same_and_resumes_exactly(tmp_path):
     (tmp_path / "swap").mkdir()
     nvme = {"device": "nvme", "nvme_path": str(tmp_path / "swap"), "buffer_count": 2}
@@ -170,7 +121,7 @@ def test_every_tier_steps_the_same_and_resumes_exactly(tmp_path):
         _config(2, opt="AdamW", zero={"offload_optimizer": nvme}),
         _config(2, opt="AdamW"),
     ]
-    results = run_ranks(_tiers_rank, 2, configs, str(tmp_path / "ckpt"))
+    results = run_ranks(state_tiers.tiers_rank, 2, configs, str(tmp_path / "ckpt"))
     for rank in results:
         base = rank[0]
         for got in rank[1:4]:  # host and NVMe tiers, stage 3: the same bytes, the same steps
@@ -190,8 +141,8 @@ def _reshard_save_rank(save_dir: str) -> list[float]:
 
     import terascale
 
-    engine, *_ = terascale.initialize(model=_model(), config=_config(3))
-    losses = _train(engine, _batches(dist.get_rank(), 4))
+    engine, *_ = terascale.initialize(model=state_tiers.model(), config=_config(3))
+    losses = state_tiers.train(engine, state_tiers.batches(dist.get_rank(), 4))
     engine.save_checkpoint(save_dir, tag="s")
     engine.destroy()
     return losses
@@ -200,7 +151,7 @@ def _reshard_save_rank(save_dir: str) -> list[float]:
 def _reshard_load_rank(save_dir: str, opt: str, stage: int) -> dict:
     import terascale
 
-    engine, *_ = terascale.initialize(model=_model(), config=_config(stage, opt=opt, world=1))
+    engine, *_ = terascale.initialize(model=state_tiers.model(), config=_config(stage, opt=opt, world=1))
     optimizer = engine.optimizer
     engine.load_checkpoint(save_dir, tag="s")
     state = [optimizer.logical_state(p) if isinstance(optimizer, CompactAdam) else dict(optimizer.state[p])

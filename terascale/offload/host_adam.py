@@ -105,7 +105,6 @@ def step(
                 state[key] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.preserve_format)
         state["step"].add_(1)
         kernel = torch._fused_adamw_ if _decoupled(optimizer, group) else torch._fused_adam_
-        beta1, beta2 = (float(b) for b in group["betas"])
         flat = [t.view(-1) for t in (p, state["exp_avg"], state["exp_avg_sq"])]
         max_sq = state["max_exp_avg_sq"].view(-1) if group["amsgrad"] else None
         g_flat, o_flat = grad.reshape(-1), None if out is None else out.view(-1)
@@ -127,25 +126,33 @@ def step(
                 g32.copy_(g_flat[lo:hi])
                 if scale != 1.0:
                     g32.mul_(multiplier)
-            kernel(
-                [flat[0][lo:hi]],
-                [g32],
-                [flat[1][lo:hi]],
-                [flat[2][lo:hi]],
-                [] if max_sq is None else [max_sq[lo:hi]],
-                [state["step"]],
-                amsgrad=group["amsgrad"],
-                lr=float(group["lr"]),
-                beta1=beta1,
-                beta2=beta2,
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                maximize=group["maximize"],
-                grad_scale=None,
-                found_inf=None,
-            )
+            tensors = [flat[0][lo:hi], flat[1][lo:hi], flat[2][lo:hi]] + ([] if max_sq is None else [max_sq[lo:hi]])
+            _adam(kernel, group, tensors, g32, state["step"])
             if o_flat is not None:
                 o_flat[lo:hi].copy_(flat[0][lo:hi])
+
+
+def _adam(kernel, group: dict, tensors: Sequence[torch.Tensor], grad: torch.Tensor, step_count: torch.Tensor) -> None:
+    """torch's fused Adam(W) ``kernel`` on one chunk: ``tensors`` are the fp32 master, first
+    and second moments (and amsgrad's maximum), ``grad`` its fp32 gradient."""
+    beta1, beta2 = (float(b) for b in group["betas"])
+    kernel(
+        [tensors[0]],
+        [grad],
+        [tensors[1]],
+        [tensors[2]],
+        list(tensors[3:]),
+        [step_count],
+        amsgrad=group["amsgrad"],
+        lr=float(group["lr"]),
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=group["maximize"],
+        grad_scale=None,
+        found_inf=None,
+    )
 
 
 def _step_low_precision(
@@ -167,7 +174,6 @@ def _step_low_precision(
     """:func:`step` for one parameter whose master or moments are bf16: per chunk, widen
     what is bf16 into ``wide`` (fp32), run ``kernel``, narrow back."""
     tensors = flat + ([] if max_sq is None else [max_sq])  # master, moments: roles 0, 1, 2, (3)
-    beta1, beta2 = (float(b) for b in group["betas"])
     for lo in range(0, flat[0].numel(), max(1, chunk)):
         hi = min(lo + chunk, flat[0].numel())
         views = [t[lo:hi] for t in tensors]
@@ -175,23 +181,7 @@ def _step_low_precision(
         g32 = wide[4][: hi - lo].copy_(g_flat[lo:hi])
         if scale != 1.0:
             g32.mul_(multiplier)
-        kernel(
-            [work[0]],
-            [g32],
-            [work[1]],
-            [work[2]],
-            work[3:],
-            [step_count],
-            amsgrad=group["amsgrad"],
-            lr=float(group["lr"]),
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=group["maximize"],
-            grad_scale=None,
-            found_inf=None,
-        )
+        _adam(kernel, group, work, g32, step_count)
         for role, (view, w) in enumerate(zip(views, work)):
             if view.dtype != torch.float32:
                 noise = None if rounding is None else rounding.noise(step, w.device, position + lo, hi - lo, role)
