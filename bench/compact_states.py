@@ -48,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/bench/compact_states")
     p.add_argument("--optimizers", default="AdamW,AdamW8bit")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the demo config's)")
     p.add_argument("--flush-denormal", action="store_true",
                    help="both runs compute subnormal floats as zero (the forward and backward of a trained "
                         "model slow down 1.7x without it on x86)")
@@ -66,6 +67,8 @@ def run(args: argparse.Namespace, optimizer: str) -> dict:
     config["bf16"] = {**config.get("bf16", {}), **VARIANTS[variant]}
     config["zero_optimization"] = json.loads(args.zero)
     config["scheduler"]["params"]["total_num_steps"] = args.steps
+    if args.lr is not None:
+        config["optimizer"]["params"]["lr"] = config["scheduler"]["params"]["warmup_max_lr"] = args.lr
     config["scheduler"]["params"]["warmup_num_steps"] = max(15, args.steps // 20)
     if args.micro_batch is not None:
         config["train_micro_batch_size_per_gpu"] = args.micro_batch
