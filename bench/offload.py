@@ -245,7 +245,7 @@ def _disk_speed():
 def run_job(args: argparse.Namespace, result: Path) -> list[dict]:
     keep = ("dir", "threads", "steps", "micro_batch", "seq", "vocab", "width", "layers", "heads",
             "sub_group_size", "opt_buffers", "param_buffers", "aio", "step_in_backward", "optimizer", "lr", "warmup", "data")
-    forwarded = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keep]
+    forwarded = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keep] + (["--bf16-states"] if args.bf16_states else [])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            __file__, "--worker", f"--result={result}", *forwarded]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
