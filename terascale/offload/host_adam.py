@@ -84,7 +84,9 @@ def step(
     step being taken (default: read from the state, a device sync on an accelerator).
     """
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    scale = float(multiplier)  # 1.0 (no loss scale, no clipping this step) skips a pass
+    # 1.0 (no loss scale, no clipping this step) skips a pass; on an accelerator reading the
+    # value would wait for the device, so there the gradient is always multiplied.
+    scale = float(multiplier) if multiplier.device.type == "cpu" else None
     outputs = outputs if outputs is not None else [None] * len(params)
     chunk = min(chunk_numel, max((p.numel() for p in params), default=0))
     device = params[0].device if params else torch.device("cpu")
@@ -164,7 +166,7 @@ def _step_low_precision(
     g_flat: torch.Tensor,
     o_flat: torch.Tensor | None,
     multiplier: torch.Tensor,
-    scale: float,
+    scale: float | None,
     wide: list[torch.Tensor],
     rounding: StochasticRounding | None,
     step: int,
