@@ -109,6 +109,16 @@ class Bf16Config(Section):
     bf16_optimizer_states: bool = False
     stochastic_rounding: bool = True
 
+    @property
+    def masters_in_bf16(self) -> bool:
+        """Whether the ZeRO masters are bf16 (the key applies with bf16 enabled only)."""
+        return self.enabled and self.bf16_master_weights_and_grads
+
+    @property
+    def states_in_bf16(self) -> bool:
+        """Whether Adam's moments are bf16 too (they need bf16 masters, as in DeepSpeed)."""
+        return self.masters_in_bf16 and self.bf16_optimizer_states
+
 
 class DataTypesConfig(Section):
     """``data_types``: dtypes of what the engine keeps (None = DeepSpeed's default):

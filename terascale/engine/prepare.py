@@ -294,7 +294,7 @@ def master_precision(config: Config) -> MasterPrecision:
         raise ConfigError(problems)
     return MasterPrecision(
         dtype=torch.bfloat16,
-        state_dtype=torch.bfloat16 if bf16.bf16_optimizer_states else torch.float32,
+        state_dtype=torch.bfloat16 if bf16.states_in_bf16 else torch.float32,
         stochastic_rounding=bf16.stochastic_rounding,
     )
 

@@ -90,10 +90,11 @@ def step(
     outputs = outputs if outputs is not None else [None] * len(params)
     chunk = min(chunk_numel, max((p.numel() for p in params), default=0))
     device = params[0].device if params else torch.device("cpu")
-    scratch = torch.empty(chunk, dtype=torch.float32, device=device)
     low = any(p.dtype != torch.float32 for p in params) or state_dtype != torch.float32
-    # Widened master and moments (and amsgrad's maximum), then the gradient.
-    wide = [torch.empty(chunk, dtype=torch.float32, device=device) for _ in range(5)] if low else []
+    # fp32 path: one buffer for a widened low-precision gradient; bf16 path: the widened
+    # master and moments (and amsgrad's maximum), then the gradient.
+    buffers = [torch.empty(chunk, dtype=torch.float32, device=device) for _ in range(5 if low else 1)]
+    scratch, wide = (None, buffers) if low else (buffers[0], [])
     multiplier = multiplier.to(device)
     for n, (p, grad, out) in enumerate(zip(params, grads, outputs)):
         group = group_of[id(p)]

@@ -67,8 +67,7 @@ def optimizer_offload(config: object) -> OptimizerOffload:
     policy = _policy(OptimizerOffload, config.zero_optimization.offload_optimizer, config.aio, ("ratio",))
     section = config.optimizer
     state = state_bytes_per_element(section.type if section else None, section.params if section else None)
-    bf16 = config.bf16
-    if bf16.enabled and bf16.bf16_master_weights_and_grads and bf16.bf16_optimizer_states:
+    if config.bf16.states_in_bf16:
         state /= 2  # [Note: bf16 masters and optimizer states]: Adam's moments in bf16
     return dataclasses.replace(policy, state_bytes=state)
 

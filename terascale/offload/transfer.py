@@ -42,7 +42,6 @@ class _Staging:
     def __init__(self, count: int, dtype: torch.dtype, pin: bool) -> None:
         self.dtype = dtype
         self.pin = pin
-        self.numel = 0
         self.buffers: list[torch.Tensor | None] = [None] * count
         self.events: list[object | None] = [None] * count
         self.next = 0
@@ -80,7 +79,7 @@ class HostStepTransfers:
         self._stream = self._module.Stream(device=device) if device.type != "cpu" else self._module.Stream()
         self._down = _Staging(2, grad_dtype, pin_memory)
         self._up = _Staging(2, param_dtype, pin_memory)
-        self._order: list[tuple[int, ...]] = []
+        self._after: dict[tuple[int, ...], tuple[int, ...]] = {}  # run -> the run stepped after it
         self._grads_of: Callable[[list[int]], list[torch.Tensor]] | None = None
         self._pending: dict[tuple[int, ...], tuple[list[torch.Tensor], object]] = {}
         self._staged: dict[tuple[int, ...], tuple[int, list[torch.Tensor]]] = {}
@@ -103,11 +102,12 @@ class HostStepTransfers:
     def begin(self, order: Sequence[Sequence[int]], grads_of: Callable[[list[int]], list[torch.Tensor]]) -> None:
         """The step will step ``order``'s runs in that order; start the first run's copy down."""
         assert not self._pending and not self._staged, "finish() the previous step first"
-        self._order = [tuple(r) for r in order]
+        runs = [tuple(r) for r in order]
+        self._after = dict(zip(runs, runs[1:]))
         self._grads_of = grads_of
         self._stream.wait_stream(self._current())  # the reduced gradients are written before this
-        if self._order:
-            self._download(self._order[0])
+        if runs:
+            self._download(runs[0])
 
     def host_grads(self, run: Sequence[int]) -> list[torch.Tensor]:
         """Run ``run``'s gradient pieces on the host (waiting for their copy); the next
@@ -115,9 +115,9 @@ class HostStepTransfers:
         key = tuple(run)
         if key not in self._pending:
             self._download(key)
-        at = self._order.index(key) if key in self._order else -1
-        if 0 <= at < len(self._order) - 1 and self._order[at + 1] not in self._pending:
-            self._download(self._order[at + 1])
+        after = self._after.get(key)
+        if after is not None and after not in self._pending:
+            self._download(after)
         views, event = self._pending.pop(key)
         event.synchronize()
         return views
@@ -150,7 +150,7 @@ class HostStepTransfers:
             event.synchronize()
         self._pending.clear()
         assert not self._staged, "a run's outputs were never uploaded"
-        self._order, self._grads_of = [], None
+        self._after, self._grads_of = {}, None
 
     def nbytes(self) -> int:
         """Host bytes of the staging buffers."""

@@ -90,8 +90,6 @@ def knobs_from_config(cfg: Any) -> Knobs:
     accum = cfg.data_types.grad_accum_dtype
     overlap = cfg.written("zero_optimization.overlap_comm")
     bf16 = cfg.bf16  # [Note: bf16 masters and optimizer states]
-    bf16_masters = bf16.enabled and bf16.bf16_master_weights_and_grads
-    bf16_states = bf16_masters and bf16.bf16_optimizer_states
     return Knobs(
         reduce_bucket=int(zero.reduce_bucket_size),
         overlap_comm=overlap if isinstance(overlap, bool) else None,
@@ -104,8 +102,8 @@ def knobs_from_config(cfg: Any) -> Knobs:
         param_buffers=zero.offload_param.buffer_count if zero.offload_param else 5,
         max_in_cpu=_max_in_cpu(cfg),
         accum_bytes=None if accum is None else {"fp32": 4, "fp16": 2, "bf16": 2}[accum],
-        state_bytes=optimizer_state_bytes(name, opt.params if opt is not None else None) / (2 if bf16_states else 1),
-        master_bytes=2 if bf16_masters else 4,
+        state_bytes=optimizer_state_bytes(name, opt.params if opt is not None else None) / (2 if bf16.states_in_bf16 else 1),
+        master_bytes=2 if bf16.masters_in_bf16 else 4,
         optimizer=name,
         early_step=_early_step(cfg, name),
         hpz=max(1, int(zero.zero_hpz_partition_size)),
