@@ -260,10 +260,8 @@ def _host_step_rank(offload: bool, bf16_states: bool) -> dict:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    transfers = engine.model_state._transfers
-    pinned = transfers is not None and all(
-        b is None or b.is_pinned() for st in (transfers._down, transfers._up) for b in st.buffers
-    )
+    transfers = engine.model_state.host_transfers
+    pinned = transfers is not None and transfers.nbytes() > 0 and transfers.pinned()
     out = {"losses": losses, "staged": transfers is not None, "pinned": pinned,
            "params": {n: p.float().cpu() for n, p in engine.full_state_dict().items()}}  # fmt: skip
     engine.destroy()

@@ -156,6 +156,10 @@ class HostStepTransfers:
         """Host bytes of the staging buffers."""
         return self._down.nbytes() + self._up.nbytes()
 
+    def pinned(self) -> bool:
+        """Whether every staging buffer made so far is page-locked."""
+        return all(b.is_pinned() for st in (self._down, self._up) for b in st.buffers if b is not None)
+
     # -- internals -------------------------------------------------------------------------
 
     def _event(self):

@@ -223,6 +223,13 @@ class ShardedState:
         # Steps after which freed host pages go back to the OS (doubling): see step().
         self._steps, self._next_trim = 0, 1 if nvme else 0
 
+    @property
+    def host_transfers(self) -> HostStepTransfers | None:
+        """The host step's staged copies to and from the device, where the optimizer's
+        masters are on the host and the shards on an accelerator ([Note: the host step's
+        transfers]); None otherwise."""
+        return self._transfers
+
     def _nvme_states_nbytes(self) -> int:
         """The bytes this rank's model states take on NVMe once training runs (the
         optimizer files grow to masters and Adam moments at the first step)."""
