@@ -5,13 +5,17 @@
     python bench/compact_states.py --n-layer 12 --n-embd 768 --n-head 12 --steps 500 --micro-batch 2 --block-size 64
 
     python bench/compact_states.py --bf16 --optimizers AdamW,AdamW+bf16,AdamW+bf16-nearest   # bf16 states
+    python bench/compact_states.py --bf16 --zero '{"stage": 2, "offload_optimizer": {"device": "cpu"}}' \
+        --optimizers AdamW,AdamW+overlap                                                     # the overlapped step
 
 Runs ``examples/train_gpt.py`` (2 ranks, the demo's data, its config with warm-up and
 decay) once for each of ``--optimizers``: an optimizer type (``AdamW``, ``AdamW8bit``:
 [Note: compact optimizer states]), optionally with a suffix for bf16 masters and states
 ([Note: bf16 masters and optimizer states]; with ``--bf16``): ``+bf16`` (both, rounded
 stochastically), ``+bf16-nearest`` (both, rounded to nearest), ``+bf16masters`` (bf16
-masters, fp32 moments). The stage and offload tier are ``--zero``'s. Compares the loss
+masters, fp32 moments); ``+overlap`` runs the host step behind the next window ([Note: the
+overlapped host step]; the optimizer on the host, with or without the others). The stage and
+offload tier are ``--zero``'s. Compares the loss
 curves: the final loss (mean of the last 10 steps) and the held-out loss. Prints a table,
 writes JSON and a PNG of the curves to ``--out``.
 """
@@ -59,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace, optimizer: str) -> dict:
     config = json.loads((ROOT / "examples/configs/gpt_demo.json").read_text())
     kind, _, variant = optimizer.partition("+")
+    overlap = variant == "overlap" or variant.endswith("+overlap")
+    variant = variant.removesuffix("overlap").rstrip("+")
     if variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r} of {optimizer!r}: one of {sorted(VARIANTS)[1:]}")
     if variant and not args.bf16:
@@ -66,6 +72,9 @@ def run(args: argparse.Namespace, optimizer: str) -> dict:
     config["optimizer"]["type"] = kind
     config["bf16"] = {**config.get("bf16", {}), **VARIANTS[variant]}
     config["zero_optimization"] = json.loads(args.zero)
+    if overlap:
+        offload = config["zero_optimization"].setdefault("offload_optimizer", {"device": "cpu"})
+        offload["overlap_step"] = True
     config["scheduler"]["params"]["total_num_steps"] = args.steps
     if args.lr is not None:
         config["optimizer"]["params"]["lr"] = config["scheduler"]["params"]["warmup_max_lr"] = args.lr

@@ -10,7 +10,12 @@ when DeepSpeed imports (its CUDA ops build on first use: ``--ds-extensions`` kee
   ZeRO-3 with the optimizer state and the AdamW step on the host (ZeRO-Offload's headline
   case). Both libraries get the same DeepSpeed config and the same tokens; tokens/s and
   TFLOP/s per system, with each step's loss (the first must agree to bf16 rounding). Then
-  the same with ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states``.
+  the same with ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states``; then terascale
+  with ``offload_optimizer.overlap_step`` ([Note: the overlapped host step]), fp32 and bf16
+  states. Every job reports the seconds a step spent at its boundary (``engine.step()`` of
+  the window's last micro-step: the synchronous host step, or the wait for the overlapped
+  one) and terascale's waits by cause (``wait_breakdown()``: gathers, reductions, the host
+  step, swap I/O).
 - ``largest``: the largest GPT that trains with parameters and optimizer state on the host
   (ZeRO-3, ``offload_param`` and ``offload_optimizer`` to cpu, built inside ``zero.Init``).
   Width 4096 (32 heads), the number of layers searched upwards from an estimate of what the
@@ -83,7 +88,8 @@ def model_flops_per_token(layers: int, width: int, seq: int, vocab: int = VOCAB)
 def _config(spec: dict) -> dict:
     zero: dict = {"stage": spec["stage"]}
     if spec["offload_optimizer"]:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True,
+                                     **({"overlap_step": True} if spec.get("overlap") else {})}
     if spec["offload_param"]:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {
@@ -148,24 +154,30 @@ def worker(spec: dict, result: Path) -> None:
         out["init_s"] = time.perf_counter() - t0
         gen = torch.Generator().manual_seed(1)
         mb, seq, gas = spec["micro_batch"], spec["seq"], spec["gas"]
-        times, losses = [], []
+        times, losses, boundary = [], [], []
         for _ in range(spec["steps"]):
             batches = [torch.randint(0, spec["vocab"], (mb, seq + 1), generator=gen) for _ in range(gas)]
             if cuda:
                 torch.cuda.synchronize()
             t = time.perf_counter()
             step_loss = 0.0
-            for rows in batches:
+            for k, rows in enumerate(batches):
                 rows = rows.to(device, non_blocking=True)
                 loss = engine(rows[:, :-1], rows[:, 1:])
                 engine.backward(loss)
+                at = time.perf_counter()
                 engine.step()
+                if k == gas - 1:  # the boundary: the host step, or the wait for the one behind
+                    boundary.append(time.perf_counter() - at)
                 step_loss += loss.detach().float() / gas
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
             losses.append(float(step_loss))
-        out.update(fits=True, times=times, losses=losses)
+        out.update(fits=True, times=times, losses=losses, boundary_s=boundary)
+        waits = getattr(getattr(engine, "model_state", None), "wait_breakdown", None)
+        if waits is not None:  # terascale: seconds blocked, by cause, over all steps
+            out["waits_s"] = waits()
     except torch.cuda.OutOfMemoryError as e:  # the device ran out: the probe does not fit
         out["error"] = f"device out of memory: {str(e).splitlines()[0]}"
     out["peak_device_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
@@ -243,8 +255,14 @@ def _rates(res: dict) -> dict:
     step_s = statistics.median(res["times"][1:] or res["times"])
     tokens = s["micro_batch"] * s["gas"] * s["seq"]
     flops = tokens * model_flops_per_token(s["layers"], s["width"], s["seq"], s["vocab"])
-    return {"step_s": step_s, "tokens_per_s": tokens / step_s, "tflops": flops / step_s / 1e12,
-            "params": gpt_params(s["layers"], s["width"], s["seq"], s["vocab"])}
+    boundary = res.get("boundary_s", [])[1:]
+    out = {"step_s": step_s, "tokens_per_s": tokens / step_s, "tflops": flops / step_s / 1e12,
+           "params": gpt_params(s["layers"], s["width"], s["seq"], s["vocab"]),
+           # the share of a step the training thread spent at the boundary (the device idles there)
+           "boundary_share": statistics.median(boundary) / step_s if boundary else None}
+    if "waits_s" in res:
+        out["waits_s_per_step"] = {k: v / max(1, len(res["times"])) for k, v in res["waits_s"].items()}
+    return out
 
 
 def _has_cuda() -> bool:
@@ -315,6 +333,14 @@ def main(argv: list[str] | None = None) -> dict:
                 figures[f"offload_1.3B_{system}_bf16_states"] = {**_rates(res), "losses": res["losses"],
                                                                  "peak_device_gib": res["peak_device_gib"],
                                                                  "peak_rss_gib": res["peak_rss_gib"]}
+        if "terascale" in systems:  # the host step behind the next window, fp32 and bf16 states
+            for states in (False, True):
+                res = job(_spec(args, "terascale", gas=args.gas, offload_optimizer=True, bf16_states=states,
+                                overlap=True), min(150.0, left()))
+                if res.get("fits"):
+                    figures["offload_1.3B_terascale_overlap" + ("_bf16_states" if states else "")] = {
+                        **_rates(res), "losses": res["losses"], "peak_device_gib": res["peak_device_gib"],
+                        "peak_rss_gib": res["peak_rss_gib"]}
         if "terascale" in systems:  # where terascale's offload step spends its time (its own log line)
             res = job(_spec(args, "terascale", gas=args.gas, offload_optimizer=True, steps=2, breakdown=True),
                       min(120.0, left()))
@@ -359,8 +385,9 @@ def main(argv: list[str] | None = None) -> dict:
 def markdown(report: dict) -> str:
     """The figures as a markdown table (one row per measurement)."""
     rows = [f"device: {report['device']} (dense bf16 peak {report['peak_bf16_tflops']} TFLOP/s)", "",
-            "| measurement | params | step s | tokens/s | TFLOP/s | MFU | peak device GiB | peak host RSS GiB |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "| measurement | params | step s | tokens/s | TFLOP/s | MFU | peak device GiB | peak host RSS GiB | "
+            "at the boundary | waits a step s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, f in report["figures"].items():
         if "log" in f:
             continue
@@ -374,8 +401,10 @@ def markdown(report: dict) -> str:
         mfu = f"{100 * f['mfu']:.1f}%" if f.get("mfu") else ""
         device = f"{f['peak_device_gib']:.1f}" if f.get("peak_device_gib") is not None else ""
         rss = f"{f['peak_rss_gib']:.1f}" if f.get("peak_rss_gib") is not None else ""
+        share = f"{100 * f['boundary_share']:.0f}%" if f.get("boundary_share") is not None else ""
+        waits = ", ".join(f"{k} {v:.2f}" for k, v in f.get("waits_s_per_step", {}).items())
         rows.append(f"| {name} | {f['params'] / 1e9:.2f}B | {f['step_s']:.3f} | {f['tokens_per_s']:.0f} | "
-                    f"{f['tflops']:.1f} | {mfu} | {device} | {rss} |")
+                    f"{f['tflops']:.1f} | {mfu} | {device} | {rss} | {share} | {waits} |")
     for name, f in report["figures"].items():
         if "log" in f:
             rows.append(f"\n{name}:\n```\n{f['log'].strip()}\n```")

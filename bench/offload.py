@@ -20,7 +20,9 @@ the optimizer state and moves different bytes. The largest-model figure is the s
 measurement on a model whose states exceed host memory. After the table, a timeline of
 rank 0's steps says how much of the I/O ran under compute (``bench/io_timeline.py``).
 ``--step-in-backward`` sets ``offload_optimizer.step_in_backward`` ([Note: the optimizer
-step under backward]); several values run one job each per repeat, in turn.
+step under backward]), or with ``overlap`` runs the step behind the next window instead
+(``overlap_step``, [Note: the overlapped host step]); several values run one job each per
+repeat, in turn.
 ``--bf16-states`` keeps the masters and Adam's moments in bf16 ([Note: bf16 masters and
 optimizer states]): 2 + 4 bytes an element in the optimizer's files instead of 4 + 8.
 """
@@ -101,7 +103,8 @@ def _config(args: argparse.Namespace, nvme: str) -> dict:
             "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_count": args.param_buffers,
                               "buffer_size": 1_000_000_000, "max_in_cpu": 0},
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": args.opt_buffers,
-                                  "step_in_backward": _mode(args.step_in_backward)},
+                                  **({"overlap_step": True} if args.step_in_backward == "overlap"
+                                     else {"step_in_backward": _mode(args.step_in_backward)})},
         },
         **({"aio": json.loads(args.aio) if args.aio.startswith("{") else args.aio} if args.aio else {}),
         # The largest models here fill the disk to its last few GiB: keep 3% free, not 10%.
@@ -110,9 +113,11 @@ def _config(args: argparse.Namespace, nvme: str) -> dict:
 
 
 def _mode(value: str) -> str | bool:
-    if value not in ("auto", "true", "false"):
-        raise SystemExit(f"--step-in-backward: expected auto, true or false, got {value!r}")
-    return value if value == "auto" else value == "true"
+    """``offload_optimizer.step_in_backward`` of a mode; "overlap" is the step behind the
+    next window instead ([Note: the overlapped host step])."""
+    if value not in ("auto", "true", "false", "overlap"):
+        raise SystemExit(f"--step-in-backward: expected auto, true, false or overlap, got {value!r}")
+    return value if value in ("auto", "overlap") else value == "true"
 
 
 # -- one training job (runs under torchrun) ------------------------------------------------

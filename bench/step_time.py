@@ -61,6 +61,11 @@ SYSTEMS = (
     "terascale-3-cpu-8bit",
     "terascale-2-nvme-8bit",
     "terascale-3-nvme-8bit",
+    # The host step behind the next window ([Note: the overlapped host step]): on the host, on NVMe
+    "terascale-2-cpu-overlap",
+    "terascale-3-cpu-overlap",
+    "terascale-2-nvme-overlap",
+    "terascale-3-nvme-overlap",
     # Each rank's own share of a ZeRO step with no communication at all: its forward and
     # backward and the update of its 1/N of the parameters (see _compute_floor)
     "compute-floor",
@@ -254,11 +259,13 @@ def _build(system: str, args: argparse.Namespace, model, device):
         return _ddp(args, model, device)
     if system == "compute-floor":
         return _compute_floor(args, model, device)
-    if system.startswith("terascale-") and system.endswith(("-cpu", "-8bit")):
-        # terascale-<stage>[-cpu|-nvme][-8bit]
+    if system.startswith("terascale-") and system.endswith(("-cpu", "-8bit", "-overlap")):
+        # terascale-<stage>[-cpu|-nvme][-8bit|-overlap]
         parts = system.split("-")
         stage, tier = int(parts[1]), parts[2] if parts[2] in ("cpu", "nvme") else None
         zero = {"cpu": {"offload_optimizer": {"device": "cpu"}}, "nvme": _nvme_offload(args, stage)}.get(tier, {})
+        if parts[-1] == "overlap":
+            zero["offload_optimizer"]["overlap_step"] = True
         return _terascale(args, model, device, stage, optimizer="AdamW8bit" if parts[-1] == "8bit" else "AdamW", **zero)
     if system.endswith("-nvme"):
         stage = int(system.split("-")[1])
@@ -449,8 +456,9 @@ def main(argv: list[str] | None = None) -> None:
         peaks = max((res["peak_mib"] for res in runs[system]), key=max)
         losses = runs[system][0]["losses"]
         diff = max(abs(a - b) for res in runs[system] for a, b in zip(res["losses"], base_losses))
-        if not system.startswith("deepspeed") and not system.endswith("-8bit") and system != "compute-floor":
-            # 8-bit moments round the optimizer's state: their curve is compared with fp32's
+        if not system.startswith("deepspeed") and not system.endswith(("-8bit", "-overlap")) and system != "compute-floor":
+            # 8-bit moments round the optimizer's state, and the overlapped step updates with
+            # a one-step-old gradient: their curves are compared with fp32's synchronous one
             # in bench/compact_states.py, not held to fp32 rounding here.
             # [Note: DeepSpeed's losses] DeepSpeed's step differs from torch's AdamW on the same
             # gradients (identical after its all-reduce) where gradients are near Adam's eps,

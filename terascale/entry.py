@@ -168,6 +168,13 @@ def _log_config_notes(config: Config) -> None:
         logger.warning("config: %s", note)
     if config.resolved:
         logger.info('config: resolved "auto": %s', "; ".join(str(r) for r in config.resolved))
+    offload = config.zero_optimization.offload_optimizer
+    if offload is not None and offload.super_offload and not offload.overlap_step:
+        logger.warning(
+            "config: zero_optimization.offload_optimizer.super_offload: the host step runs as ZeRO-Offload's, "
+            "after backward (terascale has no SuperOffload speculation); overlap_step: true runs it behind the "
+            "next window instead, on parameters one step old"
+        )
     unpinned = unpinned_keys(config)
     if unpinned:
         logger.warning(

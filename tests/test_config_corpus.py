@@ -40,7 +40,7 @@ EXPECTED: dict[str, str | None] = {
     "dsdocs_monitors_profilers.json": None if importlib.util.find_spec("tensorboard")
     else "the 'tensorboard' package is not installed",
     "dsdocs_warmup_cosine_bf16.json": None,
-    "dsdocs_zenflow_auto.json": "ZenFlow is not built yet",
+    "dsdocs_zenflow_auto.json": "ZenFlow's selective updates",
     "dsdocs_zero_infinity_nvme.json": None,
     # hpz 16 on the corpus's 2 ranks: the secondary partition spans both (one "node").
     "dsdocs_zeropp_hpz_quantized.json": None,

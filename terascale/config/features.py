@@ -149,6 +149,11 @@ def _step_in_backward(cfg: Config) -> list[str]:
     return [] if value is False else [f"zero_optimization.offload_optimizer.step_in_backward={_fmt(value)}"]
 
 
+def _overlap_step(cfg: Config) -> list[str]:
+    offload = cfg.zero_optimization.offload_optimizer
+    return ["zero_optimization.offload_optimizer.overlap_step=true"] if offload and offload.overlap_step else []
+
+
 FEATURES: tuple[Feature, ...] = (
     # Built: listed so the table is the one place that says what terascale provides.
     Feature("fp16 mixed precision with loss scaling", True, _flags("fp16", "enabled")),
@@ -169,6 +174,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("parameter offload to CPU", True, _offload("offload_param", "cpu")),
     Feature("parameter offload to NVMe", True, _offload("offload_param", "nvme")),
     Feature("NVMe optimizer step under backward", True, _step_in_backward),
+    Feature("host optimizer step overlapped with the next window", True, _overlap_step),
     Feature(
         "ZeRO++ quantized communication",
         True,
@@ -187,7 +193,12 @@ FEATURES: tuple[Feature, ...] = (
     ),
     Feature("LoCo-ZeRO++", False, _present("zero_optimization.zeropp_loco_param")),
     Feature("MiCS sharding", False, _above("zero_optimization.mics_shard_size", 0)),
-    Feature("ZenFlow", False, _present("zero_optimization.zenflow")),
+    Feature(
+        "ZenFlow's selective updates (the top-k gradients on the device, the rest on the host; "
+        "zero_optimization.offload_optimizer.overlap_step runs the whole host step behind the next window)",
+        False,
+        _present("zero_optimization.zenflow"),
+    ),
     Feature(
         "fp16 master weights and gradients", False, _flags("fp16", "fp16_master_weights_and_grads")
     ),

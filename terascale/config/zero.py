@@ -56,6 +56,25 @@ class OffloadOptimizerConfig(_OffloadTarget):
     # as soon as its gradients are final ([Note: the optimizer step under backward]):
     # "auto" where the config allows it, true (an error where it does not), false (off).
     step_in_backward: Literal["auto"] | bool = "auto"
+    # Beyond DeepSpeed's ZeRO-Offload (ZenFlow's name for its switch): the host step of a
+    # window runs while the next one computes, on parameters one step old ([Note: the
+    # overlapped host step]).
+    overlap_step: bool = False
+    # The first steps of an overlapped run are taken synchronously: with one step of
+    # delay the early updates, while the gradients change fast, train worse (ZeRO-Offload's
+    # DPU starts after a warm-up too; ZenFlow's full_warm_up_rounds).
+    overlap_step_warmup: int = Field(40, ge=0)
+
+    @model_validator(mode="after")
+    def _overlap_needs_the_whole_step_on_the_host(self) -> OffloadOptimizerConfig:
+        if self.overlap_step and self.device == "none":
+            raise ValueError("overlap_step runs the host's optimizer step behind the next window; set device to "
+                             "'cpu' or 'nvme', or drop overlap_step")  # fmt: skip
+        if self.overlap_step and self.ratio < 1.0:
+            raise ValueError(f"overlap_step with ratio {self.ratio}: the runs kept on the device would step at the "
+                             "boundary while the others step behind the next window, on parameters of two ages; "
+                             "set ratio to 1 (the default), or drop overlap_step")  # fmt: skip
+        return self
 
     @property
     def pipeline(self) -> bool:

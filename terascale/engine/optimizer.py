@@ -177,6 +177,8 @@ def step_in_backward(
         reasons.append(f"health.non_finite.policy '{policy}' decides after backward whether the step is taken")
     if isinstance(optimizer, Lamb):
         reasons.append("Lamb's trust ratios need whole-parameter norms over every run before any update")
+    if zero.offload_optimizer is not None and zero.offload_optimizer.overlap_step:
+        reasons.append("offload_optimizer.overlap_step runs the step behind the next window instead")
     if layout.ties:
         reasons.append("layers tied across pipeline stages sum their gradients after backward")
     if reasons:

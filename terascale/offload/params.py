@@ -109,6 +109,9 @@ class OffloadedParams:
         self._kept = 0  # staging buffers of this step kept as fetches ([Note: staged shards])
         self._whole: dict[int, int] = {}  # elements of each shard that belong to a parameter
         self._under_backward = False  # this step's writes run under backward ([Note: staged shards])
+        # Groups with a second file, and whether it is the current one ([Note: the
+        # overlapped host step]: the update writes one while the window reads the other).
+        self._second: dict[int, bool] = {}
         if policy.device == "cpu":
             self.directory = self.aio = self.pool = None
             return
@@ -155,7 +158,38 @@ class OffloadedParams:
         fg.home = self
 
     def _file(self, g: int) -> Path:
-        return self.directory.file(f"group{g}")
+        return self.directory.file(f"group{g}" + ("b" if self._second.get(g) else ""))
+
+    # -- the overlapped step's second files ([Note: the overlapped host step]) -----------------
+
+    def on_disk(self, g: int) -> bool:
+        """Whether group ``g``'s shard lives in a swap file (not in host memory)."""
+        return self.state.get(g, Residency.RESIDENT) is not Residency.RESIDENT
+
+    def add_second_files(self, groups: Sequence[int]) -> None:
+        """Give each of ``groups`` (on disk) a second swap file, a copy of its first."""
+        self.settle()
+        for g in groups:
+            if g in self._second:
+                continue
+            fg = self.groups[g]
+            self._disk_nbytes += _file_nbytes(fg)
+            self.directory.require_free(self._disk_nbytes, "offload_param (overlap_step's second files)")
+            raw = aligned_empty(_file_nbytes(fg), torch.uint8)
+            self.aio.sync_read(raw, self._file(g))
+            self._second[g] = False
+            self.aio.sync_write(raw, self.next_file(g))
+
+    def next_file(self, g: int) -> Path:
+        """The file of group ``g`` that gathers do not read now: the update writes it."""
+        return self.directory.file(f"group{g}" + ("" if self._second[g] else "b"))
+
+    def switch_files(self, groups: Sequence[int]) -> None:
+        """The update wrote ``groups``' next files whole: they are current from now on (what
+        was fetched or staged of the old ones is dropped)."""
+        self.settle()
+        for g in groups:
+            self._second[g] = not self._second[g]
 
     def _write_whole(self, g: int, shard: torch.Tensor) -> None:
         """Write group ``g``'s file: ``shard``, padded to whole 4 KiB blocks so that reads
@@ -369,7 +403,8 @@ class OffloadedParams:
     # -- accounting and teardown --------------------------------------------------------------
 
     def nbytes_on_disk(self) -> int:
-        return sum(_shard_nbytes(self.groups[g]) for g, s in self.state.items() if s is not Residency.RESIDENT)
+        first = sum(_shard_nbytes(self.groups[g]) for g, s in self.state.items() if s is not Residency.RESIDENT)
+        return first + sum(_shard_nbytes(self.groups[g]) for g in self._second)
 
     def nbytes_in_memory(self) -> int:
         return 0 if self.pool is None else self.pool.nbytes_held()

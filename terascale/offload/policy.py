@@ -43,6 +43,8 @@ class OptimizerOffload(_Tier):
     buffer_count: int = 4
     ratio: float = 1.0
     state_bytes: float = 8.0  # optimizer state per element beside the master (Adam: 8)
+    overlap_step: bool = False  # the step behind the next window ([Note: the overlapped host step])
+    overlap_step_warmup: int = 0  # steps taken synchronously first
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ def optimizer_offload(config: object) -> OptimizerOffload:
     """The :class:`OptimizerOffload` a validated :class:`terascale.config.Config` asks for."""
     from terascale.optim.factory import state_bytes_per_element
 
-    policy = _policy(OptimizerOffload, config.zero_optimization.offload_optimizer, config.aio, ("ratio",))
+    policy = _policy(OptimizerOffload, config.zero_optimization.offload_optimizer, config.aio, ("ratio", "overlap_step", "overlap_step_warmup"))
     section = config.optimizer
     state = state_bytes_per_element(section.type if section else None, section.params if section else None)
     if config.bf16.states_in_bf16:

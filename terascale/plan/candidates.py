@@ -106,6 +106,7 @@ def knobs_from_config(cfg: Any) -> Knobs:
         master_bytes=2 if bf16.masters_in_bf16 else 4,
         optimizer=name,
         early_step=_early_step(cfg, name),
+        overlap_step=bool(zero.offload_optimizer and zero.offload_optimizer.overlap_step),
         hpz=max(1, int(zero.zero_hpz_partition_size)),
     )
 
@@ -117,6 +118,8 @@ def _early_step(cfg: Any, optimizer: str) -> bool:
     offload = cfg.zero_optimization.offload_optimizer
     wanted = "auto" if offload is None else offload.step_in_backward
     gas = cfg.gradient_accumulation_steps
+    if offload is not None and offload.overlap_step:  # the step runs behind the next window instead
+        return False
     return (wanted is not False and not cfg.gradient_clipping and not cfg.fp16.enabled
             and optimizer.lower() != "lamb" and isinstance(gas, int) and gas == 1)  # fmt: skip
 

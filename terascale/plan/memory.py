@@ -109,6 +109,9 @@ class Knobs:
     # ([Note: the optimizer step under backward]): final gradient shards go to their runs,
     # never to disk, and at most HELD_GROUPS groups of them wait in memory.
     early_step: bool = False
+    # offload_optimizer.overlap_step ([Note: the overlapped host step]): the step holds the
+    # window's gradient shards and stages the new parameters on the host; no gradient swapping.
+    overlap_step: bool = False
     hpz: int = 1  # zero_hpz_partition_size: stage 3 keeps a secondary partition over this many ranks
 
 
@@ -200,6 +203,7 @@ def predict(profile: ModelProfile, shape: Shape, knobs: Knobs, world: int, runti
     nvme_params = s == 3 and shape.offload_param == "nvme"
     # Parameters.
     dyn, persistent = profile.stage3_groups(knobs.persistence) if s == 3 else ([], 0)
+    shard = in_cpu = 0.0
     largest = max(dyn, default=0)
     if s < 3:
         parts.append(Part("parameters", dev, states.params, "full parameters (flat buffers)"))
@@ -228,6 +232,7 @@ def predict(profile: ModelProfile, shape: Shape, knobs: Knobs, world: int, runti
     nvme_states = state_bytes if shape.offload_optimizer == "nvme" else 0.0
     # Gradients.
     inflight = 0.0
+    grads_swapped = False
     if s == 0:
         parts.append(Part("gradients", dev, states.grads, "fp32 accumulation buffer"))
     elif s == 1:
@@ -240,6 +245,7 @@ def predict(profile: ModelProfile, shape: Shape, knobs: Knobs, world: int, runti
         elif shape.offload_optimizer == "nvme" and grad_shards > knobs.opt_buffers * run * per:
             tier = "nvme"  # [Note: gradient swapping]
             nvme_states += grad_shards
+            grads_swapped = True
             parts.append(Part("working set", "host", 3 * top * grad_bytes / n, "gradient swap buffers"))
         parts.append(Part("gradients", tier, grad_shards, "gradient shards"))
     if shape.offload_optimizer == "nvme":
@@ -250,6 +256,21 @@ def predict(profile: ModelProfile, shape: Shape, knobs: Knobs, world: int, runti
     else:
         tier = "host" if shape.offload_optimizer == "cpu" else dev
         parts.append(Part("optimizer states", tier, state_bytes, f"fp32 masters and {knobs.optimizer} state"))
+    if knobs.overlap_step and shape.offload_optimizer != "none" and s >= 1:
+        # [Note: the overlapped host step]: the step holds the window's gradients (a second
+        # set of swap files where they go to disk) and writes new parameters into a staging
+        # buffer, or into second swap files for shards on disk (through two run buffers).
+        if grads_swapped:
+            parts.append(Part("gradients", "nvme", states.grads, "the overlapped step's second gradient files"))
+        else:
+            parts.append(Part("working set", "host", trainable * grad_bytes / n,
+                              "the overlapped step's gradients (taken over, or a copy)"))  # fmt: skip
+        on_disk = shard - in_cpu if nvme_params else 0.0
+        staged = max(0.0, trainable * c / n - on_disk)
+        parts.append(Part("working set", "host", staged, "the overlapped step's staged parameters"))
+        if on_disk:
+            parts.append(Part("parameters", "nvme", on_disk, "the overlapped step's second parameter files"))
+            parts.append(Part("working set", "host", 2 * run * c, "the overlapped step's parameter write buffers"))
     # [Note: host memory with an NVMe tier]: large blocks are mapped and returned at once.
     nvme_tier = shape.offload_optimizer == "nvme" or nvme_params
     mapped = nvme_tier and (has_device or nvme_states >= BOUNDED_HOST_MIN_NVME_BYTES)

@@ -669,6 +669,28 @@ class ShardedGrads:
 
     # -- accounting ----------------------------------------------------------------------------
 
+    def exchange_shards(self, storage: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None] | None:
+        """Hand over the finished window's gradient shards and take ``storage`` (shards an
+        earlier exchange handed over, or None each) as the next window's: no copy. Stages
+        2-3 with the shards in memory only (stage 1's are views of the full buffers, which
+        the next window fills again); None where this does not hold."""
+        if not self.policy.reduce_every_micro_step or self.swapper is not None:
+            return None
+        if any(t is not None and t is not self._shard_store[g] for g, t in enumerate(self.shards)):
+            return None
+        out = list(self.shards)
+        for g, t in enumerate(out):
+            if t is not None:
+                self._shard_store[g] = storage[g]
+        return out
+
+    def exchange_swapper(self, other: GradSwapper) -> GradSwapper:
+        """Hand over the swap files of the finished window's shards and take ``other``'s
+        (which an earlier exchange handed over) for the next window's."""
+        assert self.swapper is not None
+        out, self.swapper = self.swapper, other
+        return out
+
     def spare_nbytes(self) -> int:
         """Bytes of full buffers kept for reuse between reductions (a working set, not state)."""
         return sum(t.numel() * t.element_size() for t in self._spare)

@@ -53,6 +53,7 @@ class RunStep:
         rounding: StochasticRounding | None,
         transfers: HostStepTransfers | None,
         step_number: int | None = None,
+        outputs: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
         self.masters = masters
         self.optimizer = optimizer
@@ -62,6 +63,9 @@ class RunStep:
         self.precision = precision
         self.rounding = rounding
         self.transfers = transfers
+        # Where piece i's new values go instead of its parameter shard (host staging
+        # buffers: [Note: the overlapped host step]); ``write`` then takes whole masters.
+        self.outputs = outputs
         self.fused_host = offloaded and host_adam.supports(optimizer)
         self.compact = is_compact(optimizer)
         self.run_index = {run[0]: k for k, run in enumerate(masters.runs)}  # runs are disjoint
@@ -121,7 +125,7 @@ class RunStep:
         ``write_to_shards`` copies the master there), and, with ``transfers``, the device
         shard slices its staged values go to ([Note: the host step's transfers])."""
         outs = [self._host_output(i) for i in run]
-        if transfers is None:
+        if transfers is None or self.outputs is not None:
             return outs, []
         at = [k for k, i in enumerate(run) if self.write is None and not self.masters.shares_storage[i]]
         if not at:
@@ -132,7 +136,10 @@ class RunStep:
         return outs, [self.masters.groups[p.group].shard[p.lo : p.hi] for p in pieces]
 
     def _host_output(self, i: int) -> torch.Tensor | None:
-        """Piece ``i``'s slice of its parameter shard, if the host step can write it directly."""
+        """Piece ``i``'s slice of its parameter shard (or its staging buffer), if the host
+        step can write it directly."""
+        if self.outputs is not None:
+            return self.outputs(i)
         if self.write is not None or self.masters.shares_storage[i]:
             return None
         piece = self.masters.pieces[i]

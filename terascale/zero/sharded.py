@@ -51,6 +51,7 @@ from terascale.zero.host import (
 )
 from terascale.zero.masters import NVME_RUN_SPLIT_NUMEL, RUN_SPLIT_NUMEL, MasterPrecision, ShardedMasters
 from terascale.zero.optimizers import Segments, SumNorms, check_shardable
+from terascale.zero.overlap_step import OverlappedStep
 from terascale.zero.run_step import Regathers, RunStep, masters_with_grads
 from terascale.zero.schedule import ParamSchedule, SchedulePolicy
 from terascale.zero.state_io import sharded_grad_slices, sharded_slices
@@ -188,10 +189,11 @@ class ShardedState:
         low = options.masters.low and options.masters.stochastic_rounding
         chunk = max((host_adam.chunk_numel_for(m.device) for m in self.masters.masters), default=0)
         elements = sum(fg.layout.numel for fg in self.groups)  # the same at every layout
-        self._rounding = StochasticRounding(chunk, elements) if low else None  # [Note: bf16 masters and optimizer states]
+        self.rounding = StochasticRounding(chunk, elements) if low else None  # [Note: bf16 masters and optimizer states]
+        overlap = options.offload_optimizer.overlap_step
         self._transfers = (
             HostStepTransfers(device, pin_memory=can_pin_memory(), grad_dtype=options.grads.dtype, param_dtype=dtype)
-            if options.offload_optimizer.enabled and HostStepTransfers.needed(device)
+            if options.offload_optimizer.enabled and HostStepTransfers.needed(device) and not overlap
             else None
         )  # [Note: the host step's transfers]
         nvme_params = self.params is not None and options.offload_param.device == "nvme"
@@ -218,6 +220,11 @@ class ShardedState:
         if nvme and device.type == "cpu" and self._nvme_states_nbytes() < BOUNDED_HOST_MIN_NVME_BYTES:
             reuse_large_allocations()  # [Note: host memory with an NVMe tier]
         self.early: EarlyStep | None = None  # see step_in_backward
+        # [Note: the overlapped host step]: the update runs behind the next window.
+        # The step reads one window's gradient files while the next window writes the
+        # other set (where the gradients go to disk).
+        second = None if self.grads.swapper is None or not overlap else self._grad_swapper(options, "grads_next")
+        self.overlap = OverlappedStep(self, second, options.offload_optimizer.overlap_step_warmup) if overlap else None
         # DeepSpeed's optimizer.parameter_offload ([Note: the parameter coordinator TRL reads]).
         self.parameter_offload = ParameterOffload(module) if options.stage == 3 else None
         # Steps after which freed host pages go back to the OS (doubling): see step().
@@ -252,7 +259,9 @@ class ShardedState:
             self.options.sub_group_size,
             device=host if tier.enabled else None,
             # Masters that alias a shard would move (or vanish) with it.
-            share_storage=tier.device != "nvme" and not self.options.offload_param.enabled,
+            # So would the overlapped step's updates, under the next window ([Note: the
+            # overlapped host step]).
+            share_storage=tier.device != "nvme" and not self.options.offload_param.enabled and not tier.overlap_step,
             create=False,
             run_split_numel=NVME_RUN_SPLIT_NUMEL if tier.device == "nvme" else RUN_SPLIT_NUMEL,
         )
@@ -275,7 +284,7 @@ class ShardedState:
         )  # fmt: skip
         return masters, swapper
 
-    def _grad_swapper(self, options: ZeroOptions) -> GradSwapper | None:
+    def _grad_swapper(self, options: ZeroOptions, kind: str = "grads") -> GradSwapper | None:
         """Gradient shards on NVMe when the optimizer state is there (stages 2-3) and they
         outgrow its buffers (see [Note: gradient swapping])."""
         tier = options.offload_optimizer
@@ -287,7 +296,7 @@ class ShardedState:
         largest_run = max((sum(pieces[i].hi - pieces[i].lo for i in run) for run in self.swapper.runs), default=0)
         if sum(numel) <= tier.buffer_count * largest_run:
             return None
-        directory = SwapDirectory(tier.nvme_path, "grads", dist.get_rank())
+        directory = SwapDirectory(tier.nvme_path, kind, dist.get_rank())
         return GradSwapper(numel, options.grads.dtype, directory, self.swap_io, pin_memory=tier.pin_memory)
 
     def _create_masters(self, masters: ShardedMasters, run: list[int], device: torch.device | None = None) -> None:
@@ -305,7 +314,7 @@ class ShardedState:
         """From now on step ``optimizer``'s runs under each window's last backward where
         their gradients are final ([Note: the optimizer step under backward]); ``begin()``
         is called as such a backward starts and returns the update's multiplier."""
-        assert self.options.grads.reduce_every_micro_step and not isinstance(optimizer, Lamb)
+        assert self.options.grads.reduce_every_micro_step and not isinstance(optimizer, Lamb) and self.overlap is None
         self.early = EarlyStep(self, optimizer, begin)
 
     def gate_reduction(self, reduces: Callable[[], bool]) -> None:
@@ -314,11 +323,13 @@ class ShardedState:
     def prepare_backward(self, sync: bool, defer: bool = False) -> None:
         self.grads.prepare_backward(sync, defer)
         order = self.early.arm(self.grads.scope) if sync and self.early is not None else None
-        if sync and self.swapper is not None:
+        if self.overlap is not None:  # the swap files are the background step's
+            self.overlap.before_backward()
+        elif sync and self.swapper is not None:
             self.swapper.prefetch(order)  # the step's first reads run under this backward
 
     def finish_window(self) -> None:
-        if self.swapper is not None:
+        if self.swapper is not None and self.overlap is None:
             self.swapper.prefetch()  # the step's first reads run under the reductions
         self.grads.finish_window()
 
@@ -369,7 +380,9 @@ class ShardedState:
         ``sum_norms`` completes Lamb's per-parameter norms over other ranks' slices."""
         if self.schedule is not None:
             self.schedule.free_idle()  # no full parameters of before the update survive it
-        if self.early is not None and self.early.armed:  # most runs were stepped in backward
+        if self.overlap is not None:  # installs the last update, starts this one behind the next window
+            self.overlap.step(optimizer, multiplier)
+        elif self.early is not None and self.early.armed:  # most runs were stepped in backward
             self.early.finish(multiplier)
         else:
             with self._run_grads() as grads_of:
@@ -451,7 +464,7 @@ class ShardedState:
             write=None if self.params is None else self.params.write_piece,
             offloaded=self.options.offload_optimizer.enabled,
             precision=self.options.masters,
-            rounding=self._rounding,
+            rounding=self.rounding,
             transfers=self._transfers,
             step_number=step_number,
         )  # fmt: skip
@@ -522,6 +535,12 @@ class ShardedState:
         finally:
             reader.close()
 
+    def settle(self) -> None:
+        """Finish and install an update still running behind the training ([Note: the
+        overlapped host step]); collective where one is pending."""
+        if self.overlap is not None:
+            self.overlap.settle()
+
     def _refuse_mid_step(self, what: str) -> None:
         """Raise if the optimizer stepped under the window's last backward and
         ``engine.step()`` is still to come ([Note: the optimizer step under backward])."""
@@ -531,8 +550,9 @@ class ShardedState:
     def zero_grad(self) -> None:
         dropped_mid_step = None if self.early is None else self.early.abandon()
         self.grads.zero_()
-        for m in self.masters.masters:
-            m.grad = None
+        if self.overlap is None:  # (the overlapped step's masters carry gradients only inside it)
+            for m in self.masters.masters:
+                m.grad = None
         if dropped_mid_step is not None:  # dropped all the same: the next window starts clean
             raise RuntimeError(dropped_mid_step)
 
@@ -545,6 +565,7 @@ class ShardedState:
         Collective: every rank of the group must call it.
         """
         self._refuse_mid_step("reading the full parameters")
+        self.settle()
         out: dict[int, torch.Tensor] = {}
         # Swapped-out masters are read once for all groups, not once per group.
         with self._masters_resident(write_back=False):
@@ -586,6 +607,7 @@ class ShardedState:
     ) -> Iterator[list[Slice]]:
         """This rank's shards as checkpoint spans, chunk by chunk (see ``[Note: logical checkpoints]``)."""
         self._refuse_mid_step("reading or writing the state (a checkpoint save or load, safe_get_*/safe_set_*)")
+        self.settle()
         return sharded_slices(self, optimizer, mode, optim_keys, self.options.masters.state_dtype)
 
     def grad_slices(self, mode: SliceMode) -> list[Slice]:
@@ -637,8 +659,9 @@ class ShardedState:
             "grad_buffers": self.grads.spare_nbytes(),
             "master_params": self.masters.nbytes(),
             "offload_buffers": sum(t.nbytes_in_memory() for t in tiers)
-            + (0 if self.early is None else self.early.nbytes_in_memory()),
-            "nvme": sum(t.nbytes_on_disk() for t in tiers),
+            + (0 if self.early is None else self.early.nbytes_in_memory())
+            + (0 if self.overlap is None else self.overlap.nbytes_in_memory()),
+            "nvme": sum(t.nbytes_on_disk() for t in tiers) + (0 if self.overlap is None else self.overlap.nbytes_on_disk()),
         }
 
     def offload_io(self) -> dict[str, float]:
@@ -653,15 +676,20 @@ class ShardedState:
 
     def wait_breakdown(self) -> dict[str, float]:
         """Seconds this rank has spent blocked, by cause: ``param_gather`` (all-gathers),
-        ``grad_reduce`` (reduce-scatters) and ``offload_io`` (swap reads and writes)."""
+        ``grad_reduce`` (reduce-scatters), ``offload_io`` (swap reads and writes) and, with
+        the overlapped step, ``host_step`` (waiting for the update behind the last window)."""
         io = 0.0 if self.swap_io is None else self.swap_io.blocked_s
-        return {"param_gather": sum(g.blocked_s for g in self.groups), "grad_reduce": self.grads.blocked_s,
-                "offload_io": io}  # fmt: skip
+        out = {"param_gather": sum(g.blocked_s for g in self.groups), "grad_reduce": self.grads.blocked_s,
+               "offload_io": io}  # fmt: skip
+        if self.overlap is not None:
+            out["host_step"] = self.overlap.blocked_s
+        return out
 
     # -- GatheredParameters (see [Note: owner table]) ------------------------------------------
 
     def gather(self, params: list[nn.Parameter]) -> object:
         self._refuse_mid_step("GatheredParameters")
+        self.settle()
         groups = sorted({self._group_of[id(p)] for p in params})
         was_sharded = [g for g in groups if self.groups[g].state is not ShardState.UNSHARDED]
         # A persistent group's shard is part of what the caller may change: keep a copy
@@ -718,6 +746,12 @@ class ShardedState:
                 f"config's optimizer type Adam/AdamW); got {type(optimizer).__name__}. Use Adam/AdamW, or keep fp32 "
                 "masters (drop those keys)"
             )
+        if isinstance(optimizer, Lamb) and self.overlap is not None:
+            raise ValueError(
+                "Lamb with zero_optimization.offload_optimizer.overlap_step: its trust ratios need an all-reduce of "
+                "per-parameter norms inside the step, which runs in a background thread there; use Adam/AdamW, or "
+                "drop overlap_step"
+            )
         if isinstance(optimizer, Lamb) and self.swapper is not None:
             raise ValueError(
                 "Lamb with zero_optimization.offload_optimizer.device 'nvme': the trust ratios need two passes "
@@ -727,6 +761,8 @@ class ShardedState:
 
     def remove_hooks(self) -> None:
         try:
+            if self.overlap is not None:
+                self.overlap.close()
             if self.swapper is not None:
                 self.swapper.close()
             if self.params is not None:
