@@ -89,7 +89,7 @@ def _config(spec: dict) -> dict:
     zero: dict = {"stage": spec["stage"]}
     if spec["offload_optimizer"]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True,
-                                     **({"overlap_step": True} if spec.get("overlap") else {})}
+                                     **({"overlap_step": True, "overlap_step_warmup": 0} if spec.get("overlap") else {})}
     if spec["offload_param"]:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {

@@ -103,7 +103,7 @@ def _config(args: argparse.Namespace, nvme: str) -> dict:
             "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_count": args.param_buffers,
                               "buffer_size": 1_000_000_000, "max_in_cpu": 0},
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": args.opt_buffers,
-                                  **({"overlap_step": True} if args.step_in_backward == "overlap"
+                                  **({"overlap_step": True, "overlap_step_warmup": 0} if args.step_in_backward == "overlap"
                                      else {"step_in_backward": _mode(args.step_in_backward)})},
         },
         **({"aio": json.loads(args.aio) if args.aio.startswith("{") else args.aio} if args.aio else {}),

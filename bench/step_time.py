@@ -265,7 +265,8 @@ def _build(system: str, args: argparse.Namespace, model, device):
         stage, tier = int(parts[1]), parts[2] if parts[2] in ("cpu", "nvme") else None
         zero = {"cpu": {"offload_optimizer": {"device": "cpu"}}, "nvme": _nvme_offload(args, stage)}.get(tier, {})
         if parts[-1] == "overlap":
-            zero["offload_optimizer"]["overlap_step"] = True
+            # From the first step: these runs are shorter than the default warm-up.
+            zero["offload_optimizer"].update(overlap_step=True, overlap_step_warmup=0)
         return _terascale(args, model, device, stage, optimizer="AdamW8bit" if parts[-1] == "8bit" else "AdamW", **zero)
     if system.endswith("-nvme"):
         stage = int(system.split("-")[1])

@@ -67,6 +67,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -97,8 +98,16 @@ class OverlappedStep:
         assert not any(masters.shares_storage), "overlapped masters alias the parameter shards"
         self._pieces = masters.pieces
         params = state.params
-        # Groups whose shards live in swap files: the update writes their second files.
+        # Groups whose shards live in swap files: the update writes their second files, unless
+        # their new values fit easily in host memory (a quarter of what is available now).
+        # Staged in memory they are written at the boundary and kept as the next forward's
+        # fetches ([Note: staged shards]); in second files the forward reads them all back
+        # (on the 16.8M GPT of bench/step_time.py at stage 3 all on NVMe: 527 ms a step
+        # against 368 ms staged in memory).
         on_disk = sorted({p.group for p in self._pieces if params is not None and params.on_disk(p.group)})
+        staged = sum((p.hi - p.lo) * state.groups[p.group].dtype.itemsize for p in self._pieces if p.group in on_disk)
+        if staged <= host_room():
+            on_disk = []
         self._files = NextShardFiles(params, on_disk, self._pieces) if on_disk else None
         in_memory = [i for i, p in enumerate(self._pieces) if self._files is None or p.group not in self._files.groups]
         self._offsets, total = {}, 0
@@ -420,6 +429,12 @@ class NextShardFiles:
 
     def nbytes_in_memory(self) -> int:
         return sum(b.numel() for b in self._buffers if b is not None)
+
+
+def host_room() -> float:
+    """Bytes of new parameter values the update may stage in host memory: a quarter of
+    what is available."""
+    return psutil.virtual_memory().available / 4
 
 
 def _with_options_now(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
