@@ -35,6 +35,18 @@ import torch
 from terascale.offload.host_buffers import aligned_empty
 
 
+def new_stream(device: torch.device):
+    """A stream of ``device``'s own (the CPU's stand-in on a CPU)."""
+    module = torch.get_device_module(device)
+    return module.Stream(device=device) if device.type != "cpu" else module.Stream()
+
+
+def current_stream(device: torch.device):
+    """The stream work on ``device`` is queued on now (the CPU's stand-in on a CPU)."""
+    module = torch.get_device_module(device)
+    return module.current_stream(device) if device.type != "cpu" else module.current_stream()
+
+
 class _Staging:
     """Page-locked (where there is an accelerator) host buffers of one dtype, each with the
     event of the last copy that used it."""
@@ -76,7 +88,7 @@ class HostStepTransfers:
     def __init__(self, device: torch.device, *, pin_memory: bool, grad_dtype: torch.dtype, param_dtype: torch.dtype) -> None:
         self.device = device
         self._module = torch.get_device_module(device)
-        self._stream = self._module.Stream(device=device) if device.type != "cpu" else self._module.Stream()
+        self._stream = new_stream(device)
         self._down = _Staging(2, grad_dtype, pin_memory)
         self._up = _Staging(2, param_dtype, pin_memory)
         self._after: dict[tuple[int, ...], tuple[int, ...]] = {}  # run -> the run stepped after it
@@ -94,8 +106,6 @@ class HostStepTransfers:
         """Whether the shards on ``device`` are apart from the host (an accelerator)."""
         return device.type != "cpu"
 
-    def _current(self):
-        return self._module.current_stream(self.device) if self.device.type != "cpu" else self._module.current_stream()
 
     # -- a step ----------------------------------------------------------------------------
 
@@ -105,7 +115,7 @@ class HostStepTransfers:
         runs = [tuple(r) for r in order]
         self._after = dict(zip(runs, runs[1:]))
         self._grads_of = grads_of
-        self._stream.wait_stream(self._current())  # the reduced gradients are written before this
+        self._stream.wait_stream(current_stream(self.device))  # the reduced gradients are written before this
         if runs:
             self._download(runs[0])
 
@@ -141,7 +151,7 @@ class HostStepTransfers:
                 dst.copy_(src, non_blocking=True)
         event = self._event()
         self._up.events[k] = event
-        self._current().wait_event(event)
+        current_stream(self.device).wait_event(event)
 
     def finish(self) -> None:
         """End the step: nothing left in flight that the host must wait for (uploads are

@@ -109,8 +109,8 @@ class Knobs:
     # ([Note: the optimizer step under backward]): final gradient shards go to their runs,
     # never to disk, and at most HELD_GROUPS groups of them wait in memory.
     early_step: bool = False
-    # offload_optimizer.overlap_step ([Note: the overlapped host step]): the step holds the
-    # window's gradient shards and stages the new parameters on the host; no gradient swapping.
+    # offload_optimizer.overlap_step ([Note: the overlapped host step]): the step holds a
+    # second set of gradient shards (or swap files) and stages the new parameters.
     overlap_step: bool = False
     hpz: int = 1  # zero_hpz_partition_size: stage 3 keeps a secondary partition over this many ranks
 

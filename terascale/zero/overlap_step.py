@@ -74,7 +74,7 @@ import torch.distributed as dist
 from terascale.comm import ops
 from terascale.offload.host_buffers import ALIGNMENT, aligned_empty, round_up
 from terascale.offload.policy import can_pin_memory
-from terascale.offload.transfer import HostStepTransfers
+from terascale.offload.transfer import HostStepTransfers, current_stream, new_stream
 from terascale.zero.run_step import Regathers, RunStep
 
 if TYPE_CHECKING:
@@ -117,14 +117,16 @@ class OverlappedStep:
         # from it (the same switch as the host step's transfers; the CPU's stand-ins in tests).
         self._module = torch.get_device_module(state.device)
         apart = HostStepTransfers.needed(state.device)
-        stream = self._module.Stream
-        self._copies = (stream(device=state.device) if state.device.type != "cpu" else stream()) if apart else None
+        self._copies = new_stream(state.device) if apart else None
         pin = can_pin_memory() and apart
         # This window's gradients: in swap files (``grad_files``, exchanged with the next
         # window's); where the shards are host memory already (a CPU device, stages 2-3) the
         # shards themselves, exchanged with the storage the last step held; else a copy.
         self._grad_files = grad_files
-        numel = sum(p.hi - p.lo for p in self._pieces)
+        self._grad_at = [0]  # piece i's place in the gradient copy: [_grad_at[i], _grad_at[i + 1])
+        for p in self._pieces:
+            self._grad_at.append(self._grad_at[-1] + p.hi - p.lo)
+        numel = self._grad_at[-1]
         self._grads = aligned_empty(numel, state.options.grads.dtype, pin_memory=pin) if apart and grad_files is None else None
         self._held: list[torch.Tensor | None] = [None] * len(state.groups)  # shards taken over
         self._piece_grads: list[torch.Tensor] | None = None  # None: read from grad_files
@@ -142,8 +144,7 @@ class OverlappedStep:
     # -- the views a run steps with --------------------------------------------------------------
 
     def _grad_view(self, i: int) -> torch.Tensor:
-        at = sum(p.hi - p.lo for p in self._pieces[:i])
-        return self._grads[at : at + self._pieces[i].hi - self._pieces[i].lo]
+        return self._grads[self._grad_at[i] : self._grad_at[i + 1]]
 
     def _output(self, i: int) -> torch.Tensor:
         """Where piece ``i``'s new values go: the staging buffer of shards in memory, or the
@@ -220,7 +221,7 @@ class OverlappedStep:
         """A backward starts: it writes the gradient shards the last copy to the host read
         (an accelerator: the compute stream waits for that copy there, on the device)."""
         if self._down is not None and self._copies is not None:
-            self._current().wait_event(self._down)
+            current_stream(self.state.device).wait_event(self._down)
 
     def _install(self) -> None:
         """The update's new values into the parameter shards (or their tier: shards in swap
@@ -229,8 +230,9 @@ class OverlappedStep:
         params = state.params
         if params is not None:
             if self._files is not None:
-                params.switch_files(self._files.groups)  # also drops what was read of the old files
-            params.settle()
+                params.switch_files(self._files.groups)  # settles too: drops what was read of the old files
+            else:
+                params.settle()
         for i in self._offsets:
             p, values = self._pieces[i], self._output(i)
             if params is not None:
@@ -239,7 +241,7 @@ class OverlappedStep:
                 state.groups[p.group].shard[p.lo : p.hi].copy_(values, non_blocking=self._copies is not None)
         if self._copies is not None:  # the next update writes the staging buffers after these copies
             self._up = self._module.Event()
-            self._up.record(self._current())
+            self._up.record(current_stream(self.state.device))
         if params is not None:
             params.finish_step()
         regathers = Regathers(state.groups, state.options.allgather_bucket_numel)
@@ -277,13 +279,13 @@ class OverlappedStep:
         reductions; reading them in the background thread on the default stream would
         wait for the next forward queued meanwhile too)."""
         if self._grads is None and pieces:
-            self._grads = aligned_empty(sum(t.numel() for t in pieces), self.state.options.grads.dtype)
+            self._grads = aligned_empty(self._grad_at[-1], self.state.options.grads.dtype)
         views = [self._grad_view(i) for i in range(len(pieces))]
         if self._copies is None:
             for view, g in zip(views, pieces):
                 view.copy_(g)
             return multiplier.cpu(), views
-        self._copies.wait_stream(self._current())
+        self._copies.wait_stream(current_stream(self.state.device))
         host = torch.empty((), dtype=multiplier.dtype, pin_memory=can_pin_memory())
         with self._module.stream(self._copies):
             host.copy_(multiplier, non_blocking=True)
@@ -292,10 +294,6 @@ class OverlappedStep:
             self._down = self._module.Event()
             self._down.record(self._copies)
         return host, views
-
-    def _current(self):
-        device = self.state.device
-        return self._module.current_stream(device) if device.type != "cpu" else self._module.current_stream()
 
     def _run(
         self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor, order: Sequence[list[int]],
