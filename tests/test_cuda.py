@@ -263,6 +263,7 @@ def _host_step_rank(offload: bool, bf16_states: bool) -> dict:
     transfers = engine.model_state.host_transfers
     pinned = transfers is not None and transfers.nbytes() > 0 and transfers.pinned()
     out = {"losses": losses, "staged": transfers is not None, "pinned": pinned,
+           "ahead": 0 if transfers is None else transfers.ahead_runs,
            "params": {n: p.float().cpu() for n, p in engine.full_state_dict().items()}}  # fmt: skip
     engine.destroy()
     return out
@@ -275,6 +276,7 @@ def test_host_step_on_cuda_goes_through_pinned_staging_and_matches_the_device_st
     device = run_ranks(_host_step_rank, 1, False, bf16_states)[0]
     host = run_ranks(_host_step_rank, 1, True, bf16_states)[0]
     assert host["staged"] and host["pinned"] and not device["staged"]
+    assert host["ahead"] > 0  # the gradients went down under backward
     torch.testing.assert_close(torch.tensor(host["losses"]), torch.tensor(device["losses"]), rtol=2e-2, atol=1e-3)
     for name, value in device["params"].items():
         torch.testing.assert_close(host["params"][name], value, rtol=2e-2, atol=2e-2)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from terascale.offload.transfer import HostStepTransfers
+from terascale.offload.transfer import GradientsAhead, HostStepTransfers
 
 
 def test_gradients_come_down_one_run_ahead_and_values_go_up():
@@ -53,8 +53,40 @@ def test_a_run_read_ahead_but_not_stepped_is_dropped_at_finish():
     t.finish()
 
 
-def _engine_rank(configs: list[dict], staged: bool) -> list[dict]:
+def test_a_run_goes_down_ahead_once_all_its_groups_are_final_and_is_copied_again_if_forgotten():
+    # Pieces (group, lo, hi): run 0 spans groups 0 and 1, run 1 is in group 2.
+    pieces = [(0, 0, 4), (1, 2, 6), (2, 0, 3)]
+    runs = [[0, 1], [2]]
+    shards = {0: torch.arange(4.0), 1: torch.arange(10.0, 16.0), 2: torch.arange(20.0, 23.0)}
+    t = HostStepTransfers(torch.device("cpu"), pin_memory=False, grad_dtype=torch.float32, param_dtype=torch.float32)
+    ahead = GradientsAhead(t, runs, pieces)
+    asked: list[list[int]] = []
+
+    def grads_of(run: list[int]) -> list[torch.Tensor]:
+        asked.append(run)
+        return [shards[pieces[i][0]][pieces[i][1] : pieces[i][2]] for i in run]
+
+    for forget in (False, True):
+        asked.clear()
+        ahead.arm()
+        ahead.final(2, shards[2])
+        ahead.final(0, shards[0])  # run 0 still waits for group 1
+        assert t.nbytes() == 4 * (3 if not forget else 11)  # run 1 is down; run buffers are kept
+        ahead.final(1, shards[1])
+        assert t.nbytes() == 4 * 11
+        if forget:  # a gradient changed after backward: the step copies it again
+            shards[1][2] = 99.0
+            ahead.forget()
+        t.begin(runs, grads_of)
+        got = [t.host_grads(run) for run in runs]
+        t.finish()
+        assert t.ahead_runs == (0 if forget else 2) and asked == (runs if forget else [])
+        assert torch.equal(got[0][1], shards[1][2:6]) and torch.equal(got[1][0], shards[2])
+
+
+def _engine_rank(configs: list[dict], staged: bool, set_grads: bool = False) -> list[dict]:
     import terascale
+    from terascale.integrations.deepspeed.params import safe_get_full_grad, safe_set_full_grad
     from terascale.offload import transfer
 
     if staged:  # the pipeline where the shards and the host are apart; here on the CPU's stand-ins
@@ -72,14 +104,19 @@ def _engine_rank(configs: list[dict], staged: bool) -> list[dict]:
             dtype = next(engine.module.parameters()).dtype
             loss = (engine(x.to(dtype)).float() - y).square().mean()
             engine.backward(loss)
+            if set_grads:  # after backward: the copies made ahead are stale
+                for p in engine.module.parameters():
+                    safe_set_full_grad(p, safe_get_full_grad(p) * torch.linspace(0.1, 2.0, p.numel()).view(p.shape))
             engine.step()
             losses.append(loss.item())
-        out.append({"losses": losses, "params": {n: p.clone() for n, p in engine.full_state_dict().items()}})
+        transfers = engine.model_state.host_transfers
+        ahead = None if transfers is None else transfers.ahead_runs
+        out.append({"losses": losses, "params": {n: p.clone() for n, p in engine.full_state_dict().items()}, "ahead": ahead})
         engine.destroy()
     return out
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_the_host_step_through_the_pipeline_is_the_step(stage):
     def config(optimizer: str = "AdamW", **bf16) -> dict:
         return {
@@ -98,3 +135,10 @@ def test_the_host_step_through_the_pipeline_is_the_step(stage):
         for x, y in zip(a, b):
             assert x["losses"] == y["losses"]
             assert all(torch.equal(x["params"][n], y["params"][n]) for n in x["params"])
+            assert y["ahead"] > 0  # every run's gradients went down under backward
+    # Gradients set between backward and the step: the copies made ahead are dropped.
+    plain = run_ranks(_engine_rank, 2, configs[:1], False, True)
+    staged = run_ranks(_engine_rank, 2, configs[:1], True, True)
+    for a, b in zip(plain, staged):
+        assert a[0]["losses"] == b[0]["losses"] and b[0]["ahead"] == 0
+        assert all(torch.equal(a[0]["params"][n], b[0]["params"][n]) for n in a[0]["params"])

@@ -17,7 +17,17 @@ is a pipeline over its runs, in the order it steps them:
   for it there (device-side), so whatever reads the shard next (the persistent groups'
   re-gather, the next forward) sees it, and the host goes on to the next run;
 - two staging buffers each way (double buffering): a buffer is reused only once the copy
-  that last used it has finished (its event).
+  that last used it has finished (its event);
+- **ahead**: on the window's last backward the copy down does not wait for the step. A
+  run's gradients are final once the reductions of its groups are done ([Note: reduce
+  what a backward touched]), and :class:`GradientsAhead`, told of each final shard,
+  starts the run's copy then, into a page-locked buffer of the run's own (kept from
+  step to step: the rank's gradient shard once more on the host, as DeepSpeed's
+  ZeRO-Offload keeps its fp32 gradients there). The copies run under the rest of
+  backward; the step finds them done. Whatever changes a gradient between backward and
+  the step (tied gradients summed across pipeline stages, ``safe_set_*_grad``,
+  ``zero_grad``) drops the copies made ahead (:meth:`HostStepTransfers.forget_ahead`),
+  and the step copies those runs as above.
 
 Nothing in the step blocks but the waits for each run's gradients, whose copies ran
 behind the previous run's update. The same code runs on a CPU machine, where torch's
@@ -95,6 +105,12 @@ class HostStepTransfers:
         self._grads_of: Callable[[list[int]], list[torch.Tensor]] | None = None
         self._pending: dict[tuple[int, ...], tuple[list[torch.Tensor], object]] = {}
         self._staged: dict[tuple[int, ...], tuple[int, list[torch.Tensor]]] = {}
+        # Copies started under backward ("ahead"), and each run's own buffer for them.
+        self._ahead: dict[tuple[int, ...], tuple[list[torch.Tensor], object]] = {}
+        self._ahead_buffers: dict[tuple[int, ...], torch.Tensor] = {}
+        self._pin = pin_memory
+        self._grad_dtype = grad_dtype
+        self.ahead_runs = 0  # runs the last step found copied ahead (for tests and benchmarks)
 
     @property
     def active(self) -> bool:
@@ -115,8 +131,10 @@ class HostStepTransfers:
         runs = [tuple(r) for r in order]
         self._after = dict(zip(runs, runs[1:]))
         self._grads_of = grads_of
+        self._pending, self._ahead = self._ahead, {}  # copied under backward: nothing to start
+        self.ahead_runs = len(self._pending)
         self._stream.wait_stream(current_stream(self.device))  # the reduced gradients are written before this
-        if runs:
+        if runs and runs[0] not in self._pending:
             self._download(runs[0])
 
     def host_grads(self, run: Sequence[int]) -> list[torch.Tensor]:
@@ -153,6 +171,26 @@ class HostStepTransfers:
         self._up.events[k] = event
         current_stream(self.device).wait_event(event)
 
+    def download_ahead(self, run: Sequence[int], pieces: Sequence[torch.Tensor]) -> None:
+        """Start copying run ``run``'s final gradient ``pieces`` down now, under backward,
+        into the run's own buffer; the next :meth:`begin` takes the copy over."""
+        key = tuple(run)
+        dropped = self._ahead.pop(key, None)
+        if dropped is not None:  # copied ahead once already: its buffer is written again
+            dropped[1].synchronize()
+        numel = sum(p.numel() for p in pieces)
+        buf = self._ahead_buffers.get(key)
+        if buf is None or buf.numel() != numel:
+            buf = self._ahead_buffers[key] = aligned_empty(numel, self._grad_dtype, pin_memory=self._pin)
+        self._stream.wait_stream(current_stream(self.device))  # after the reduction's last work
+        self._ahead[key] = (self._copy_into(buf, pieces), self._event())
+
+    def forget_ahead(self) -> None:
+        """Drop the copies made ahead (the gradients changed since): the step copies again."""
+        for _views, event in self._ahead.values():
+            event.synchronize()  # their buffers may be written again
+        self._ahead.clear()
+
     def finish(self) -> None:
         """End the step: nothing left in flight that the host must wait for (uploads are
         ordered before the compute stream's next work by :meth:`upload`)."""
@@ -164,11 +202,13 @@ class HostStepTransfers:
 
     def nbytes(self) -> int:
         """Host bytes of the staging buffers."""
-        return self._down.nbytes() + self._up.nbytes()
+        ahead = sum(b.numel() * b.element_size() for b in self._ahead_buffers.values())
+        return self._down.nbytes() + self._up.nbytes() + ahead
 
     def pinned(self) -> bool:
         """Whether every staging buffer made so far is page-locked."""
-        return all(b.is_pinned() for st in (self._down, self._up) for b in st.buffers if b is not None)
+        staging = [b for st in (self._down, self._up) for b in st.buffers if b is not None]
+        return all(b.is_pinned() for b in staging + list(self._ahead_buffers.values()))
 
     # -- internals -------------------------------------------------------------------------
 
@@ -182,6 +222,13 @@ class HostStepTransfers:
         assert self._grads_of is not None, "begin() first"
         pieces = self._grads_of(list(run))
         k, buf = self._down.take(sum(p.numel() for p in pieces))
+        views = self._copy_into(buf, pieces)
+        event = self._event()
+        self._down.events[k] = event
+        self._pending[run] = (views, event)
+
+    def _copy_into(self, buf: torch.Tensor, pieces: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copy ``pieces`` back to back into host buffer ``buf`` on the copy stream."""
         views, at = [], 0
         with self._module.stream(self._stream):
             for p in pieces:
@@ -189,6 +236,47 @@ class HostStepTransfers:
                 view.copy_(p, non_blocking=True)
                 views.append(view)
                 at += p.numel()
-        event = self._event()
-        self._down.events[k] = event
-        self._pending[run] = (views, event)
+        return views
+
+
+class GradientsAhead:
+    """Starts each host run's gradient copy as soon as its groups' shards are final on the
+    window's last backward (see [Note: the host step's transfers]): the
+    :class:`~terascale.zero.grads.FinalGradients` listener of the gradients while armed.
+
+    ``runs`` are the runs stepped on the host, ``pieces`` every piece's ``(group, lo, hi)``
+    in its group's gradient shard."""
+
+    def __init__(self, transfers: HostStepTransfers, runs: Sequence[Sequence[int]], pieces: Sequence[tuple[int, int, int]]) -> None:
+        self.transfers = transfers
+        self.runs = [list(r) for r in runs]
+        self._pieces = pieces
+        self._groups = [sorted({pieces[i][0] for i in run}) for run in self.runs]
+        self._runs_of: dict[int, list[int]] = {}
+        for r, groups in enumerate(self._groups):
+            for g in groups:
+                self._runs_of.setdefault(g, []).append(r)
+        self._final: dict[int, torch.Tensor] = {}
+
+    def arm(self) -> None:
+        """The window's last backward starts: no shard of it is final yet."""
+        self.forget()
+
+    def forget(self) -> None:
+        """The gradients changed (or are dropped) after their copies started: forget them."""
+        self._final.clear()
+        self.transfers.forget_ahead()
+
+    def receive(self, g: int) -> torch.Tensor | None:
+        return None  # shards that go to disk are not copied ahead
+
+    def final(self, g: int, shard: torch.Tensor) -> None:
+        self._final[g] = shard
+        for r in self._runs_of.get(g, ()):
+            if all(h in self._final for h in self._groups[r]):
+                run = self.runs[r]
+                parts = [self._final[grp][lo:hi] for grp, lo, hi in (self._pieces[i] for i in run)]
+                self.transfers.download_ahead(run, parts)
+
+    def poll(self) -> None:
+        pass

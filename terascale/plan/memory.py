@@ -256,6 +256,13 @@ def predict(profile: ModelProfile, shape: Shape, knobs: Knobs, world: int, runti
     else:
         tier = "host" if shape.offload_optimizer == "cpu" else dev
         parts.append(Part("optimizer states", tier, state_bytes, f"fp32 masters and {knobs.optimizer} state"))
+    if has_device and shape.offload_optimizer != "none" and s >= 1 and not knobs.overlap_step:
+        # [Note: the host step's transfers]: two staging buffers each way, and the gradient
+        # shards kept in memory copied down under backward into a buffer per run.
+        parts.append(Part("working set", "host", 2 * run * (grad_bytes + c), "the host step's staging buffers"))
+        if not grads_swapped and not (knobs.early_step and shape.offload_optimizer == "nvme"):
+            parts.append(Part("working set", "host", trainable * grad_bytes / n,
+                              "the host step's gradients, copied down under backward"))  # fmt: skip
     if knobs.overlap_step and shape.offload_optimizer != "none" and s >= 1:
         # [Note: the overlapped host step]: the step holds the window's gradients (a second
         # set of swap files where they go to disk) and writes new parameters into a staging

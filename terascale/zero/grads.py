@@ -40,10 +40,11 @@ without the all-reduce (plain data parallelism pays it once). A group's reductio
 the plan says is its last of the window passes ``last_micro_step`` to the gradient
 swapper (its norm is taken then); a norm left stale by a plan that did not hold is
 retaken at the window's end. Stage 1 reduces once per window and has nothing to skip.
-A shard completed on the window's last backward is final; where the optimizer steps under
-backward a listener (:class:`FinalGradients`) is told of each one then, and reductions
+A shard completed on the window's last backward is final (at stage 1 too, which reduces
+then); where the optimizer steps under backward, or the host step's gradients go down
+under it, a listener (:class:`FinalGradients`) is told of each one then, and reductions
 already finished are completed at once rather than when the bucket overflows ([Note: the
-optimizer step under backward]).
+optimizer step under backward], [Note: the host step's transfers]).
 
 [Note: deferred reduction]
 Two ways of training leave a window's reduction to its end, whatever the stage:
@@ -130,7 +131,8 @@ class QuantizedReduce:
 
 class FinalGradients(Protocol):
     """Takes each group's gradient shard as it becomes final, on the window's last backward
-    (the optimizer step under backward: ``terascale.zero.early_step``)."""
+    (the optimizer step under backward: ``terascale.zero.early_step``; the host step's
+    gradients copied down ahead: ``terascale.offload.transfer.GradientsAhead``)."""
 
     def receive(self, g: int) -> torch.Tensor | None:
         """A tensor to receive group ``g``'s final shard if it is handed over instead of being
@@ -535,6 +537,7 @@ class ShardedGrads:
             if reduced.data_ptr() != flat[lo:hi].data_ptr():
                 flat[lo:hi].copy_(reduced)
             self.shards[g] = flat[lo:hi]
+            self._hand_over(g)
             return
         if self.shards[g] is None:
             self.shards[g] = self._shard_storage(g)

@@ -35,7 +35,7 @@ from terascale.offload.optimizer import OptimizerSwapper
 from terascale.offload.params import OffloadedParams
 from terascale.offload.policy import ParamOffload, can_pin_memory
 from terascale.offload.swap import SwapDirectory
-from terascale.offload.transfer import HostStepTransfers
+from terascale.offload.transfer import GradientsAhead, HostStepTransfers
 from terascale.optim.lamb import Lamb
 from terascale.optim.rounding import StochasticRounding
 from terascale.zero.flat_group import FlatParamGroup, FullBuffers, ShardState, keeps_full_buffers
@@ -217,6 +217,13 @@ class ShardedState:
             quantized=None if self.zeropp is None or self.zeropp.nodes is None else QuantizedReduce(
                 self.zeropp.nodes, self.zeropp.grad_quant, frozenset(g for g, pg in enumerate(plan_pgs) if pg is group)),
         )
+        # [Note: the host step's transfers]: gradient shards kept in memory go down under
+        # the window's last backward, run by run as they become final.
+        self._ahead = (
+            GradientsAhead(self._transfers, self._host_runs(), [(p.group, p.lo, p.hi) for p in self.masters.pieces])
+            if self._transfers is not None and self.grads.swapper is None
+            else None
+        )
         if nvme and device.type == "cpu" and self._nvme_states_nbytes() < BOUNDED_HOST_MIN_NVME_BYTES:
             reuse_large_allocations()  # [Note: host memory with an NVMe tier]
         self.early: EarlyStep | None = None  # see step_in_backward
@@ -236,6 +243,10 @@ class ShardedState:
         masters are on the host and the shards on an accelerator ([Note: the host step's
         transfers]); None otherwise."""
         return self._transfers
+
+    def _host_runs(self) -> list[list[int]]:
+        """The runs whose masters are on the host (all of them but a ``ratio`` kept on the device)."""
+        return [run for run in self.masters.runs if all(self.masters.masters[i].device.type == "cpu" for i in run)]
 
     def _nvme_states_nbytes(self) -> int:
         """The bytes this rank's model states take on NVMe once training runs (the
@@ -323,6 +334,9 @@ class ShardedState:
     def prepare_backward(self, sync: bool, defer: bool = False) -> None:
         self.grads.prepare_backward(sync, defer)
         order = self.early.arm(self.grads.scope) if sync and self.early is not None else None
+        if sync and self._ahead is not None and self.grads.listener in (None, self._ahead):
+            self._ahead.arm()
+            self.grads.listener = self._ahead
         if self.overlap is not None:  # the swap files are the background step's
             self.overlap.before_backward()
         elif sync and self.swapper is not None:
@@ -362,6 +376,7 @@ class ShardedState:
         same parameters, has the same flat layout and each rank's shard lines up with
         its peers'."""
         self._refuse_mid_step("summing tied gradients")
+        self._forget_ahead()
         for g in sorted(self._groups_of({id(p) for p in params})):
             assert {id(p) for p in self.groups[g].params} <= {id(p) for p in params}, "tied parameters share a group"
             swapper = self.grads.swapper
@@ -445,6 +460,8 @@ class ShardedState:
         finally:
             if self._transfers is not None:
                 self._transfers.finish()
+            if self._ahead is not None and self.grads.listener is self._ahead:
+                self.grads.listener = None  # armed again by the next window's last backward
         if self.params is not None:
             self.params.finish_step()
         regathers.finish()
@@ -547,8 +564,15 @@ class ShardedState:
         if self.early is not None:
             self.early.refuse(what)
 
+    def _forget_ahead(self) -> None:
+        """The gradients may change after backward: the copies made ahead are dropped, and
+        the step copies them again ([Note: the host step's transfers])."""
+        if self._ahead is not None:
+            self._ahead.forget()
+
     def zero_grad(self) -> None:
         dropped_mid_step = None if self.early is None else self.early.abandon()
+        self._forget_ahead()
         self.grads.zero_()
         if self.overlap is None:  # (the overlapped step's masters carry gradients only inside it)
             for m in self.masters.masters:
@@ -613,6 +637,7 @@ class ShardedState:
     def grad_slices(self, mode: SliceMode) -> list[Slice]:
         """This rank's gradient shards as ``grad`` spans (see :func:`sharded_grad_slices`)."""
         self._refuse_mid_step("reading the gradients (safe_get_full_grad, safe_get_local_grad)")
+        self._forget_ahead()  # the slices may be written (safe_set_*_grad)
         return sharded_grad_slices(self.plans, self.groups, self.grads)
 
     def release_gathered(self) -> None:
@@ -660,6 +685,7 @@ class ShardedState:
             "master_params": self.masters.nbytes(),
             "offload_buffers": sum(t.nbytes_in_memory() for t in tiers)
             + (0 if self.early is None else self.early.nbytes_in_memory())
+            + (0 if self._transfers is None else self._transfers.nbytes())
             + (0 if self.overlap is None else self.overlap.nbytes_in_memory()),
             "nvme": sum(t.nbytes_on_disk() for t in tiers) + (0 if self.overlap is None else self.overlap.nbytes_on_disk()),
         }
