@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
+from terascale.data.loader import GlobalBatches, is_global
+
 
 class ResumableSampler(DistributedSampler):
     """A ``DistributedSampler`` that knows how far into its epoch the loader got.
@@ -68,21 +70,27 @@ class ResumableSampler(DistributedSampler):
 
 
 class DataPosition:
-    """Where the training loader is in its data, for checkpoints: its sampler's
-    ``state_dict`` (a :class:`ResumableSampler`'s epoch and count). ``loader`` is the
-    engine's ``training_dataloader`` (None: nothing to carry)."""
+    """Where the training loader is in its data, for checkpoints: a :class:`GlobalBatches`'
+    global sample index ([Note: global batches]), or its sampler's ``state_dict`` (a
+    :class:`ResumableSampler`'s epoch and count). ``loader`` is the engine's
+    ``training_dataloader`` (None: nothing to carry)."""
 
-    def __init__(self, loader: DataLoader | None = None) -> None:
+    def __init__(self, loader: DataLoader | GlobalBatches | None = None) -> None:
         self.loader = loader
 
+    def _holder(self) -> Any:
+        if isinstance(self.loader, GlobalBatches):
+            return self.loader
+        return getattr(self.loader, "sampler", None)
+
     def state_dict(self) -> dict[str, Any] | None:
-        sampler = getattr(self.loader, "sampler", None)
-        return sampler.state_dict() if hasattr(sampler, "state_dict") else None
+        holder = self._holder()
+        return holder.state_dict() if hasattr(holder, "state_dict") else None
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        sampler = getattr(self.loader, "sampler", None)
-        if state is not None and hasattr(sampler, "load_state_dict"):
-            sampler.load_state_dict(state)
+        holder = self._holder()
+        if state is not None and hasattr(holder, "load_state_dict"):
+            holder.load_state_dict(state)
 
 
 def build_dataloader(
@@ -97,13 +105,20 @@ def build_dataloader(
     shuffle: bool = True,
     drop_last: bool = False,
     num_workers: int = 0,
-) -> DataLoader:
-    """A DataLoader of ``micro_batch_size`` samples for data-parallel rank ``dp_rank``.
+) -> DataLoader | GlobalBatches:
+    """A loader of ``micro_batch_size`` samples for data-parallel rank ``dp_rank``.
 
-    Map-style datasets get a seeded ``DistributedSampler``; call
-    ``loader.sampler.set_epoch(epoch)`` at the start of each epoch for a fresh shuffle,
-    as with plain PyTorch. An ``IterableDataset`` must shard itself.
+    The datasets of ``terascale.data`` (packed or per-document samples, blends) get a
+    :class:`GlobalBatches`: the global sample order, read ahead by a worker process, with
+    a position that resumes on any world size ([Note: global batches]). Other map-style
+    datasets get a seeded ``DistributedSampler``; call ``loader.sampler.set_epoch(epoch)``
+    at the start of each epoch for a fresh shuffle, as with plain PyTorch. An
+    ``IterableDataset`` must shard itself.
     """
+    if is_global(dataset):
+        return GlobalBatches(dataset, micro_batch_size, rank=dp_rank, world=dp_world_size, seed=seed,
+                             shuffle=shuffle, collate_fn=collate_fn, num_workers=max(num_workers, 1),
+                             pin_memory=device.type == "cuda")  # fmt: skip
     if isinstance(dataset, IterableDataset):
         sampler = None
     else:

@@ -393,6 +393,52 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_data(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "data",
+        help="prepare token datasets (memory-mapped shards) and check them",
+        description="Token datasets for training ([Note: the token dataset format] in terascale/data/shards.py).",
+    )
+    sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    prep = sub.add_parser(
+        "prepare",
+        help="tokenize text files, JSONL and Hugging Face datasets into token shards",
+        description="Tokenize FILES (text files: one document each; .jsonl: one per line; .parquet, .arrow "
+        "and save_to_disk folders: one per row; other folders: the files under them) in parallel worker "
+        "processes into OUT. Run again after an interruption: it resumes.",
+    )
+    prep.add_argument("files", nargs="+", metavar="FILES")
+    prep.add_argument("--out", required=True, help="the dataset folder to write")
+    prep.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer (tokenizer.json or its "
+                      "folder); default: bytes (ids 0-255)")  # fmt: skip
+    prep.add_argument("--append-eos", default=None, metavar="TOKEN", help="append this token to every document")
+    prep.add_argument("--text-key", default="text", help="the text field of JSONL records and dataset rows")
+    prep.add_argument("--workers", type=int, default=None, help="worker processes (default: one per core)")
+    prep.set_defaults(handler=_data_prepare)
+    check = sub.add_parser("check", help="verify a prepared dataset's files against its manifest (every checksum)")
+    check.add_argument("folder")
+    check.set_defaults(handler=_data_check)
+
+
+def _data_prepare(args: argparse.Namespace) -> int:
+    from terascale.data import load_tokenizer, prepare
+
+    done = prepare(args.files, args.out, tokenizer=load_tokenizer(args.tokenizer, args.append_eos),
+                   workers=args.workers, text_key=args.text_key)  # fmt: skip
+    print(f"{done.folder}: {done.tokens:,} tokens in {done.documents:,} documents, {done.shards} shards "
+          f"({done.written} written now, {done.tokens_per_second:,.0f} tokens/s)")  # fmt: skip
+    return 0
+
+
+def _data_check(args: argparse.Namespace) -> int:
+    from terascale.data import TokenStore
+
+    store = TokenStore(args.folder, verify="full")
+    print(f"{store.folder}: {store.num_tokens:,} tokens in {store.num_documents:,} documents, "
+          f"{len(store.shards)} shards, every checksum right (tokenizer {store.manifest['tokenizer']})")  # fmt: skip
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``terascale`` argument parser with one subparser per subcommand."""
     parser = argparse.ArgumentParser(
@@ -408,6 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_elastic_config(subparsers)
     _add_check(subparsers)
     _add_report(subparsers)
+    _add_data(subparsers)
     return parser
 
 
