@@ -54,6 +54,7 @@ class Corpus:
     held_out: torch.Tensor
     train_files: tuple[str, ...]
     held_out_files: tuple[str, ...]
+    root: str = ""  # the folder the file names are relative to
 
 
 def load_stdlib_corpus(
@@ -106,6 +107,7 @@ def load_stdlib_corpus(
         held_out=stream(chosen[split:]),
         train_files=tuple(name for name, _ in chosen[:split]),
         held_out_files=tuple(name for name, _ in chosen[split:]),
+        root=str(base),
     )
 
 

@@ -238,7 +238,8 @@ class GPT(nn.Module):
         return total
 
     def forward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
@@ -247,7 +248,8 @@ class GPT(nn.Module):
             raise ValueError(
                 f"sequence length {seq} exceeds GPTConfig.block_size {self.config.block_size}"
             )
-        positions = torch.arange(seq, device=input_ids.device)
+        # Packed samples restart the positions where a document starts (terascale.data).
+        positions = torch.arange(seq, device=input_ids.device) if position_ids is None else position_ids
         dtype = compute_dtype(self.wte.weight.dtype, input_ids.device)
         x = self.drop((self.wte(input_ids) + self.wpe(positions)).to(dtype))
         for block in self.blocks:

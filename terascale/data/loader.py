@@ -93,6 +93,12 @@ class GlobalBatches:
         return self.world * self.micro
 
     @property
+    def sampler(self) -> GlobalBatches:
+        """Itself: a training loop written for a DataLoader calls ``loader.sampler.set_epoch``
+        and reads ``loader.sampler.epoch``; both are this loader's."""
+        return self
+
+    @property
     def epoch(self) -> int:
         return self.position // self.num_samples
 
@@ -123,8 +129,11 @@ class GlobalBatches:
             prefetch_factor=self.prefetch_factor if workers else None,
             pin_memory=self.pin_memory,
         )
-        it = iter(loader)
-        for _ in range(first, last):
+        # Started here, not at the first next(): the workers read ahead from iter() on.
+        return self._deliver(iter(loader), last - first)
+
+    def _deliver(self, it: Iterator[Any], count: int) -> Iterator[Any]:
+        for _ in range(count):
             t0 = time.perf_counter()
             batch = next(it)
             self.wait_seconds += time.perf_counter() - t0
