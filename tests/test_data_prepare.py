@@ -154,3 +154,16 @@ def test_the_command_line_prepares_and_checks(tmp_path, capsys):
     assert f"{total:,} tokens in 10 documents" in out and "every checksum right" in out
     assert cli(["data", "prepare", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_document_longer_than_a_piece_is_read_piece_by_piece_and_stays_one_document(tmp_path, monkeypatch):
+    import terascale.data.sources as sources
+
+    monkeypatch.setattr(sources, "PIECE_BYTES", 100)
+    docs = _docs(5, seed=5)
+    assert max(len(d.encode()) for d in docs) > 500
+    pieces = list(sources._text_pieces(str(_text_files(tmp_path / "one", [docs[0]])[0])))
+    assert len(pieces) > 3 and "".join(pieces) == docs[0]  # cut at line ends, nothing lost
+    prepare(_text_files(tmp_path / "in", docs), tmp_path / "ds", workers=2, unit_bytes=300, progress=False)
+    store = TokenStore(tmp_path / "ds")
+    assert [bytes(d.astype(np.uint8)) for d in _all_documents(store)] == [d.encode() for d in docs]

@@ -30,7 +30,10 @@ from terascale.data.sources import UNIT_BYTES, Unit, documents, expand, plan_uni
 from terascale.data.tokenizer import Tokenizer, load_tokenizer, token_dtype
 
 JOURNAL = "prepare.journal"
-BATCH_DOCS = 256  # documents encoded per tokenizer call (the Rust tokenizer batches them)
+# Documents encoded per tokenizer call (the Rust tokenizer batches them), up to a size that
+# keeps a worker's memory small whatever the documents' lengths.
+BATCH_DOCS = 256
+BATCH_CHARS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -121,17 +124,19 @@ def prepare_unit(unit: Unit, k: int, folder: str, tokenizer: Tokenizer, text_key
     writer = ShardWriter(Path(folder), shard_name(k), np.dtype(dtype), block_bytes)
     try:
         batch: list[str] = []
+        chars = 0
         for pieces in documents(unit, text_key):
-            if len(pieces) == 1:
+            if isinstance(pieces, list):
                 batch.append(pieces[0])
-                if len(batch) >= BATCH_DOCS:
+                chars += len(pieces[0])
+                if len(batch) >= BATCH_DOCS or chars >= BATCH_CHARS:
                     _write_batch(writer, tokenizer, batch)
-                    batch = []
+                    batch, chars = [], 0
                 continue
             _write_batch(writer, tokenizer, batch)
-            batch = []
-            for ids in tokenizer.encode(pieces):  # one long document, piece by piece
-                writer.extend(_checked(ids, tokenizer))
+            batch, chars = [], 0
+            for piece in pieces:  # one long document, piece by piece
+                writer.extend(_checked(tokenizer.encode([piece])[0], tokenizer))
             writer.end_document()
         _write_batch(writer, tokenizer, batch)
         return writer.close()

@@ -27,7 +27,7 @@ from pathlib import Path
 
 UNIT_BYTES = 16 << 20
 ROWS_PER_UNIT = 20_000
-PIECE_BYTES = 8 << 20
+PIECE_BYTES = 1 << 20
 HF_SUFFIXES = (".parquet", ".arrow")
 
 
@@ -151,12 +151,17 @@ def open_hf(path: str, text_key: str):  # -> datasets.Dataset
     return ds
 
 
-def documents(unit: Unit, text_key: str = "text") -> Iterator[list[str]]:
-    """``unit``'s documents as lists of text pieces (a long text file in several pieces;
-    every other document in one)."""
+def documents(unit: Unit, text_key: str = "text") -> Iterator[list[str] | Iterator[str]]:
+    """``unit``'s documents: a list of one text each, except a text file longer than
+    ``PIECE_BYTES``, which comes as an iterator of its line-aligned pieces (read as they
+    are consumed, so that no more than a piece is in memory)."""
     if unit.kind == "text":
         for path in unit.paths:
-            yield list(_text_pieces(path))
+            if os.path.getsize(path) <= PIECE_BYTES:
+                with open(path, "rb") as f:
+                    yield [f.read().decode("utf-8", errors="surrogateescape")]
+            else:
+                yield _text_pieces(path)
     elif unit.kind == "jsonl":
         with open(unit.paths[0], "rb") as f:
             f.seek(unit.lo)

@@ -72,7 +72,9 @@ class HuggingFaceTokenizer:
             self._eos_id = int(eos_id)
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
-        encodings = self._tok.encode_batch(texts, add_special_tokens=False)
+        # The fast variant skips the character offsets, which preparation never reads.
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        encodings = encode(texts, add_special_tokens=False)
         out = []
         for e in encodings:
             ids = np.asarray(e.ids, dtype=np.int64)
