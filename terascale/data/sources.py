@@ -135,7 +135,7 @@ def open_hf(path: str, text_key: str):  # -> datasets.Dataset
     try:
         import datasets
     except ImportError as exc:  # pragma: no cover - the library comes with the test extras
-        raise ValueError(f"{path}: reading Hugging Face datasets needs the 'datasets' library (pip install datasets)") from exc
+        raise ValueError(f"{path}: reading Hugging Face datasets needs the 'datasets' library (pip install datasets, or terascale[data])") from exc
     if os.path.isdir(path):
         ds = datasets.load_from_disk(path)
         if isinstance(ds, datasets.DatasetDict):
