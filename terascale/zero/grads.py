@@ -61,22 +61,8 @@ backward reduced its groups as usual) only what ``_end_window`` finds left over.
 deferred window teaches the plan nothing. Every rank defers and finishes at the same
 points, so the collectives still match.
 
-[Note: sparse rows in a group]
-With ``sparse_gradients`` a group holding parameters named in ``GradPolicy.sparse_params``
-(sparse embeddings, see [Note: sparse gradients] in :mod:`terascale.comm.sparse`) is
-reduced in two parts, so that no rank ever builds those parameters' dense gradients:
-
-- its flat buffer holds only the dense parameters' slots, back to back (``_SparseLayout``);
-  at reduction each rank packs, for every rank r, the dense elements that fall in r's
-  shard into chunk r of a ``world x chunk`` buffer (``chunk``: the most dense elements
-  any shard has) and reduce-scatters that, so dense traffic is unchanged;
-- each sparse parameter's micro-step gradients accumulate as coalesced rows; they are
-  all-gathered right after the group's dense reduction is launched (same order on every
-  rank), and each rank adds only the rows, or parts of rows at its shard's edges, that
-  fall inside its own shard range.
-
-The rows are averaged like the dense part and added straight into the gradient shard
-(stages 2-3 accumulate into it across micro-steps; stage 1 builds it at the window's end).
+Groups with row-sparse gradients reduce in two parts: [Note: sparse rows in a group] in
+:mod:`terascale.zero.sparse_rows`.
 """
 
 from __future__ import annotations
@@ -96,9 +82,10 @@ from terascale.comm.collectives import reduce_scatter_flat
 from terascale.comm.hierarchy import NodeGroups
 from terascale.comm.quant import BlockQuant
 from terascale.comm.quantized import quantized_nbytes_sent, reduce_scatter_quantized
-from terascale.comm.sparse import CommStats, SparseGather, accumulate_sparse, add_rows_to_range, all_gather_sparse
+from terascale.comm.sparse import CommStats, SparseGather, accumulate_sparse, all_gather_sparse
 from terascale.offload.grads import GradSwapper
 from terascale.zero.flat_group import FlatParamGroup
+from terascale.zero.sparse_rows import SparseLayout
 
 
 @dataclass(frozen=True)
@@ -152,47 +139,6 @@ class _Pending:
     work: dist.Work | None
     comm: torch.Tensor  # the buffer being reduced (the flat buffer, its comm-dtype copy, or the packed chunks)
     rows: list[tuple[int, SparseGather]] = field(default_factory=list)  # sparse slots' gathers
-
-
-@dataclass(frozen=True)
-class _SparseLayout:
-    """A group with row-sparse slots (see [Note: sparse rows in a group]).
-
-    ``offsets[i]``: slot i's offset in the compact buffer of dense slots (-1: sparse).
-    ``runs[r]``: ``(compact_lo, compact_hi, shard_offset)`` of the dense elements inside
-    rank r's shard; ``chunk``: the most dense elements any rank's shard holds.
-    """
-
-    sparse: tuple[int, ...]
-    offsets: tuple[int, ...]
-    numel: int
-    runs: tuple[tuple[tuple[int, int, int], ...], ...]
-    chunk: int
-
-    @staticmethod
-    def build(fg: FlatParamGroup, sparse: Sequence[bool]) -> _SparseLayout:
-        layout = fg.layout
-        offsets, numel = [], 0
-        for slot, is_sparse in zip(layout.slots, sparse):
-            offsets.append(-1 if is_sparse else numel)
-            numel += 0 if is_sparse else slot.numel
-        runs = []
-        for r in range(layout.world_size):
-            lo, hi = layout.shard_range(r)
-            mine: list[tuple[int, int, int]] = []
-            for slot, off in zip(layout.slots, offsets):
-                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-                if off < 0 or a >= b:
-                    continue
-                run = (off + a - slot.offset, off + b - slot.offset, a - lo)
-                if mine and mine[-1][1] == run[0] and mine[-1][2] + mine[-1][1] - mine[-1][0] == run[2]:
-                    prev = mine.pop()  # contiguous in both buffers: one copy instead of two
-                    run = (prev[0], run[1], prev[2])
-                mine.append(run)
-            runs.append(tuple(mine))
-        chunk = max(sum(b - a for a, b, _ in mine) for mine in runs)
-        sparse_slots = tuple(i for i, is_sparse in enumerate(sparse) if is_sparse)
-        return _SparseLayout(sparse_slots, tuple(offsets), numel, tuple(runs), chunk)
 
 
 class ShardedGrads:
@@ -267,10 +213,10 @@ class ShardedGrads:
         self.comm = CommStats()  # bytes this rank sends reducing gradients (for benchmarks)
         # Groups with row-sparse slots (see [Note: sparse rows in a group]); fixed by the
         # names in the policy, so every rank reduces the same groups the same way.
-        self._sparse: list[_SparseLayout | None] = []
+        self._sparse: list[SparseLayout | None] = []
         for fg, flags in zip(self.groups, trainable):
             sparse = [t and policy.sparse_gradients and n in policy.sparse_params for n, t in zip(fg.names, flags)]
-            self._sparse.append(_SparseLayout.build(fg, sparse) if any(sparse) else None)
+            self._sparse.append(SparseLayout.build(fg, sparse) if any(sparse) else None)
         self._rows: list[dict[int, torch.Tensor]] = [{} for _ in self.groups]  # slot -> accumulated rows
         self._handles = []
         for g, (fg, flags) in enumerate(zip(self.groups, trainable)):
@@ -408,7 +354,7 @@ class ShardedGrads:
             comm = flat if pol.comm_dtype in (None, flat.dtype) else flat.to(pol.comm_dtype)
             lo, hi = self.groups[g].layout.shard_range(self._ranks[g])
         else:
-            comm = self._pack(g, flat)
+            comm = self._sparse[g].pack(flat, self._sizes[g], self.policy.comm_dtype or flat.dtype)
             lo, hi = self._ranks[g] * sparse.chunk, (self._ranks[g] + 1) * sparse.chunk
         pre = 1.0 / self._divisor if pol.prescale else 1.0 / pol.predivide_factor
         if pre != 1.0:
@@ -441,21 +387,6 @@ class ShardedGrads:
             while self._pending and not self._pending[0].rows and _finished(self._pending[0].work):
                 self._complete(self._pending.pop(0))
 
-    def _pack(self, g: int, flat: torch.Tensor) -> torch.Tensor:
-        """The dense slots of sparse group ``g`` as ``world`` chunks: chunk r holds, in
-        order, the elements of rank r's shard (zero-padded to ``chunk``)."""
-        sparse = self._sparse[g]
-        assert sparse is not None
-        chunk = sparse.chunk
-        comm = torch.empty(self._sizes[g] * chunk, dtype=self.policy.comm_dtype or flat.dtype, device=flat.device)
-        for r, runs in enumerate(sparse.runs):
-            pos = r * chunk
-            for lo, hi, _ in runs:
-                comm[pos : pos + hi - lo].copy_(flat[lo:hi])
-                pos += hi - lo
-            comm[pos : (r + 1) * chunk].zero_()
-        return comm
-
     def _gather_rows(self, g: int, i: int, pre: float) -> SparseGather:
         """Start all-gathering slot ``i``'s accumulated rows (scaled by ``pre``) of group ``g``."""
         rows = self._rows[g].pop(i, None)
@@ -486,22 +417,7 @@ class ShardedGrads:
                 out = torch.zeros(hi - lo, dtype=pol.dtype, device=self.groups[g].device)
             else:
                 out = self._shard_storage(g).zero_()
-        own = item.comm[self._ranks[g] * sparse.chunk : (self._ranks[g] + 1) * sparse.chunk]
-        if post != 1.0:
-            own.mul_(post)
-        pos = 0
-        for c_lo, c_hi, s_off in sparse.runs[self._ranks[g]]:
-            out[s_off : s_off + c_hi - c_lo].add_(own[pos : pos + c_hi - c_lo])
-            pos += c_hi - c_lo
-        for i, gather in item.rows:
-            indices, values = gather.wait()
-            slot = layout.slots[i]
-            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if a < b:
-                values = values.to(pol.dtype)
-                if post != 1.0:
-                    values = values * post
-                add_rows_to_range(out[a - lo : b - lo], a - slot.offset, indices, values)
+        sparse.add_to_shard(out, item.comm, layout, self._ranks[g], item.rows, post)
         if self.swapper is not None:  # [Note: gradient swapping]
             self._store(g, out)
         else:
