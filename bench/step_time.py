@@ -66,6 +66,11 @@ SYSTEMS = (
     "terascale-3-cpu-overlap",
     "terascale-2-nvme-overlap",
     "terascale-3-nvme-overlap",
+    # bf16 masters and optimizer states ([Note: bf16 masters and optimizer states]; needs --bf16):
+    # in memory, and on NVMe synchronous and overlapped
+    "terascale-3-bf16states",
+    "terascale-3-nvme-bf16states",
+    "terascale-3-nvme-bf16states-overlap",
     # Each rank's own share of a ZeRO step with no communication at all: its forward and
     # backward and the update of its 1/N of the parameters (see _compute_floor)
     "compute-floor",
@@ -81,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peers-python", default="/tmp/peers/bin/python",
                    help="python of the environment with DeepSpeed installed")
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--bf16", action="store_true", help="terascale's systems compute in bf16 (fp32 masters unless "
+                   "-bf16states); for the -bf16states systems")  # fmt: skip
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
@@ -149,7 +156,8 @@ def _ddp(args: argparse.Namespace, model, device):
     return _torch_step(ddp, opt)
 
 
-def _terascale(args: argparse.Namespace, model, device, stage: int = 0, optimizer: str = "AdamW", **zero):
+def _terascale(args: argparse.Namespace, model, device, stage: int = 0, optimizer: str = "AdamW",
+               bf16_states: bool = False, **zero):  # fmt: skip
     import terascale
 
     config = {
@@ -159,6 +167,10 @@ def _terascale(args: argparse.Namespace, model, device, stage: int = 0, optimize
         "optimizer": {"type": optimizer, "params": {"lr": LR, "weight_decay": 0.0}},
         "zero_optimization": {"stage": stage, **zero},
     }
+    if args.bf16:
+        config["bf16"] = {"enabled": True}
+        if bf16_states:
+            config["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     engine, *_ = terascale.initialize(model=model, config=config)
     return _engine_step(engine)
 
@@ -259,15 +271,18 @@ def _build(system: str, args: argparse.Namespace, model, device):
         return _ddp(args, model, device)
     if system == "compute-floor":
         return _compute_floor(args, model, device)
-    if system.startswith("terascale-") and system.endswith(("-cpu", "-8bit", "-overlap")):
-        # terascale-<stage>[-cpu|-nvme][-8bit|-overlap]
+    if system.startswith("terascale-") and system.endswith(("-cpu", "-8bit", "-overlap", "-bf16states")):
+        # terascale-<stage>[-cpu|-nvme][-8bit|-bf16states][-overlap]
         parts = system.split("-")
         stage, tier = int(parts[1]), parts[2] if parts[2] in ("cpu", "nvme") else None
         zero = {"cpu": {"offload_optimizer": {"device": "cpu"}}, "nvme": _nvme_offload(args, stage)}.get(tier, {})
         if parts[-1] == "overlap":
             # From the first step: these runs are shorter than the default warm-up.
             zero["offload_optimizer"].update(overlap_step=True, overlap_step_warmup=0)
-        return _terascale(args, model, device, stage, optimizer="AdamW8bit" if parts[-1] == "8bit" else "AdamW", **zero)
+        if "bf16states" in parts and not args.bf16:
+            raise SystemExit(f"{system}: bf16 masters and states need --bf16")
+        return _terascale(args, model, device, stage, optimizer="AdamW8bit" if "8bit" in parts else "AdamW",
+                          bf16_states="bf16states" in parts, **zero)  # fmt: skip
     if system.endswith("-nvme"):
         stage = int(system.split("-")[1])
         build = _terascale if system.startswith("terascale") else _deepspeed
@@ -362,8 +377,9 @@ def timed_step(step, rows, device) -> tuple[float, float]:
 def run_job(args: argparse.Namespace, system: str, result: Path, script: str = __file__) -> dict:
     """Run ``script --worker=system`` under torchrun (DeepSpeed's systems from the peers'
     python) with the driver's options; return the JSON its rank 0 wrote to ``result``."""
-    forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k not in ("systems", "nproc", "repeats", "worker", "result", "json", "peers_python")]
+    forwarded = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}"
+                 for k, v in vars(args).items()
+                 if k not in ("systems", "nproc", "repeats", "worker", "result", "json", "peers_python") and v is not False]
     python = args.peers_python if system.startswith("deepspeed") else sys.executable
     cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            script, f"--worker={system}", f"--result={result}", *forwarded]
@@ -441,7 +457,7 @@ def main(argv: list[str] | None = None) -> None:
     base_ms = statistics.median(t for res in runs[base] for t in res["times"][args.warmup:]) * 1e3
     base_losses = runs[base][0]["losses"]
     print(f"\nGPT {args.layers} layers x {args.width}, vocab {args.vocab}, micro-batch {args.micro_batch} x "
-          f"{args.seq} tokens, {args.nproc} ranks x {args.threads} thread(s), {_params(args) / 1e6:.1f}M params, fp32, {runs[base][0]['device']}, "
+          f"{args.seq} tokens, {args.nproc} ranks x {args.threads} thread(s), {_params(args) / 1e6:.1f}M params, {'bf16' if args.bf16 else 'fp32'}, {runs[base][0]['device']}, "
           f"{args.repeats} interleaved repeats x {args.steps - args.warmup} timed steps\n")
     nvme = any("-nvme" in s for s in systems)
     print("| system | ms/step (median) | per-repeat medians | ratio to " + base + " | per-repeat ratios (median)"
@@ -457,7 +473,7 @@ def main(argv: list[str] | None = None) -> None:
         peaks = max((res["peak_mib"] for res in runs[system]), key=max)
         losses = runs[system][0]["losses"]
         diff = max(abs(a - b) for res in runs[system] for a, b in zip(res["losses"], base_losses))
-        if not system.startswith("deepspeed") and not system.endswith(("-8bit", "-overlap")) and system != "compute-floor":
+        if not system.startswith("deepspeed") and not system.endswith(("-8bit", "-overlap", "-bf16states")) and system != "compute-floor":
             # 8-bit moments round the optimizer's state, and the overlapped step updates with
             # a one-step-old gradient: their curves are compared with fp32's synchronous one
             # in bench/compact_states.py, not held to fp32 rounding here.
