@@ -43,7 +43,7 @@ def test_stochastic_rounding_is_unbiased_and_leaves_bf16_values_alone():
 
 def test_noise_depends_on_step_and_position_only():
     a, b = StochasticRounding(4096), StochasticRounding(1024)
-    whole = a.noise(7, torch.device("cpu"), 1000, 4096, 1).clone()  # a view of a table redrawn each step
+    whole = a.noise(7, torch.device("cpu"), 1000, 4096, 1).clone()  # a view of the table, at this step's place
     assert torch.equal(b.noise(7, torch.device("cpu"), 3000, 1024, 1), whole[2000:3024])
     assert not torch.equal(a.noise(8, torch.device("cpu"), 1000, 4096, 1), whole)
     assert not torch.equal(a.noise(7, torch.device("cpu"), 1000, 4096, 2), whole)
