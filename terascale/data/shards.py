@@ -213,7 +213,8 @@ class TokenStore:
                 self._check_blocks(k, 0, s.tokens)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"folder": str(self.folder), "verify": self.verify}
+        # A worker's copy checks what it reads; "full" was done once, where the store opened.
+        return {"folder": str(self.folder), "verify": "lazy" if self.verify == "full" else self.verify}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["folder"], verify=state["verify"])  # type: ignore[misc]
