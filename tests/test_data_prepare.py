@@ -74,8 +74,10 @@ def test_jsonl_and_hugging_face_datasets_with_a_bpe_tokenizer(tmp_path):
     table = datasets.Dataset.from_dict({"body": docs})
     table.to_parquet(str(tmp_path / "docs.parquet"))
     table.save_to_disk(str(tmp_path / "saved"))
+    # A DatasetDict on disk (what load_dataset(...).save_to_disk writes): its train split.
+    datasets.DatasetDict({"train": table, "test": table.select(range(3))}).save_to_disk(str(tmp_path / "splits"))
     for name, inputs, key in (("jsonl", [jsonl], "text"), ("parquet", [tmp_path / "docs.parquet"], "body"),
-                              ("saved", [tmp_path / "saved"], "body")):  # fmt: skip
+                              ("saved", [tmp_path / "saved"], "body"), ("splits", [tmp_path / "splits"], "body")):  # fmt: skip
         out = tmp_path / f"out-{name}"
         prepare(inputs, out, tokenizer=tok, workers=2, text_key=key, unit_bytes=3000, progress=False)
         store = TokenStore(out, tokenizer=tok)
