@@ -161,3 +161,11 @@ def test_the_loader_counts_what_it_hands_out_not_what_it_read_ahead(tmp_path):
     resumed.load_state_dict(loader.state_dict())
     assert torch.equal(next(iter(resumed))["input_ids"], next(it)["input_ids"])
     assert loader.wait_seconds > 0
+    # A loop that leaves an epoch early and moves to the next one, as with a DistributedSampler.
+    threes = GlobalBatches(packed, 3)
+    next(iter(threes))
+    threes.set_epoch(1)  # rounded down to whole micro-steps: no sample of epoch 1 is skipped
+    assert len(packed) % 3 and threes.position == len(packed) // 3 * 3
+    next(iter(threes))
+    threes.set_epoch(0)  # never back
+    assert threes.position == len(packed) // 3 * 3 + 3

@@ -108,8 +108,11 @@ class GlobalBatches:
 
     def set_epoch(self, epoch: int) -> None:
         """Move to the start of ``epoch`` if the job is before it (a loop that calls this as
-        with a ``DistributedSampler`` keeps working; it never moves back)."""
-        self.position = max(self.position, epoch * self.num_samples)
+        with a ``DistributedSampler`` keeps working; it never moves back). Positions stay
+        whole micro-steps: the start is rounded down to one, so the micro-step that holds
+        the epoch's first sample may begin with the last samples of the epoch before."""
+        start = epoch * self.num_samples // self.per_step * self.per_step
+        self.position = max(self.position, start)
 
     def __iter__(self) -> Iterator[Any]:
         if self.position % self.per_step:
