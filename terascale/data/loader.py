@@ -116,7 +116,7 @@ class GlobalBatches:
 
     def __iter__(self) -> Iterator[Any]:
         if self.position % self.per_step:
-            raise ValueError(self._misaligned(self.position, self.world, self.micro))
+            raise ValueError(self._misaligned(self.position))
         end = (self.epoch + 1) * self.num_samples
         first, last = self.position // self.per_step, -(-end // self.per_step)
         items = _MicroBatches(self.dataset, self.order, self.per_step, self.rank, self.micro, self.collate)
@@ -143,14 +143,17 @@ class GlobalBatches:
             self.position += self.per_step
             yield batch
 
-    def state_dict(self) -> dict[str, Any]:
+    def _fingerprint(self) -> Any:
         fingerprint = getattr(self.dataset, "fingerprint", None)
+        return fingerprint() if fingerprint is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
         return {
             "global_sample": self.position,
             "seed": self.seed,
             "shuffle": self.shuffle,
             "num_samples": self.num_samples,
-            "dataset": fingerprint() if fingerprint is not None else None,
+            "dataset": self._fingerprint(),
             "world": self.world,
             "micro_batch_size": self.micro,
         }
@@ -162,8 +165,7 @@ class GlobalBatches:
                 "the checkpoint's data position is a DistributedSampler's (per-rank offset), not a global sample "
                 "index: it was written with another kind of training data"
             )
-        fingerprint = getattr(self.dataset, "fingerprint", None)
-        mine = fingerprint() if fingerprint is not None else None
+        mine = self._fingerprint()
         if state["num_samples"] != self.num_samples or (state["dataset"] is not None and state["dataset"] != mine):
             raise ValueError(
                 f"the checkpoint's data position is for another dataset ({state['num_samples']} samples, "
@@ -177,22 +179,15 @@ class GlobalBatches:
             )
         position = int(state["global_sample"])
         if position % self.per_step:
-            raise ValueError(self._misaligned(position, self.world, self.micro))
+            raise ValueError(self._misaligned(position))
         self.position = position
 
-    def _misaligned(self, position: int, world: int, micro: int) -> str:
+    def _misaligned(self, position: int) -> str:
         return (
-            f"the data position ({position} samples) is not a whole number of micro-steps of {world} replicas x "
-            f"{micro} samples: resume with the same global batch (micro-batch x accumulation x replicas), as "
+            f"the data position ({position} samples) is not a whole number of micro-steps of {self.world} replicas "
+            f"x {self.micro} samples: resume with the same global batch (micro-batch x accumulation x replicas), as "
             "elasticity keeps it, at a step boundary"
         )
-
-
-def wait_fraction(loader: Any, seconds: float) -> float:
-    """The share of ``seconds`` of training that ``loader`` kept the loop waiting (0 if it
-    does not measure it)."""
-    waited = getattr(loader, "wait_seconds", 0.0)
-    return waited / seconds if seconds > 0 else 0.0
 
 
 def is_global(dataset: Any) -> bool:

@@ -87,12 +87,16 @@ def prepare(
                disable=not progress or not todo)  # fmt: skip
     tokens_written = 0
     with open(folder / JOURNAL, "a") as journal:
+
+        def finished(k: int, info: ShardInfo) -> None:
+            nonlocal tokens_written
+            done[k] = _record(journal, units[k], identity, info)
+            tokens_written += info.tokens
+            _advance(bar, units[k].nbytes, tokens_written, started)
+
         if workers == 1:
             for k in todo:
-                info = prepare_unit(units[k], k, str(folder), tokenizer, text_key, dtype.name, block_bytes)
-                done[k] = _record(journal, units[k], identity, info)
-                tokens_written += info.tokens
-                _advance(bar, units[k].nbytes, tokens_written, started)
+                finished(k, prepare_unit(units[k], k, str(folder), tokenizer, text_key, dtype.name, block_bytes))
         else:
             context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
             with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init) as pool:
@@ -103,13 +107,9 @@ def prepare(
                         k = queue.pop(0)
                         pending[pool.submit(prepare_unit, units[k], k, str(folder), tokenizer, text_key, dtype.name,
                                             block_bytes)] = k  # fmt: skip
-                    finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-                    for future in finished:
-                        k = pending.pop(future)
-                        info = future.result()
-                        done[k] = _record(journal, units[k], identity, info)
-                        tokens_written += info.tokens
-                        _advance(bar, units[k].nbytes, tokens_written, started)
+                    ready, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    for future in ready:
+                        finished(pending.pop(future), future.result())
     bar.close()
     shards = [done[k] for k in range(len(units))]
     manifest = write_manifest(folder, identity, dtype, shards, sources=sorted({p for u in units for p in u.paths}),
@@ -186,9 +186,8 @@ def _finished(folder: Path, units: list[Unit], identity: dict[str, Any], dtype: 
         k = wanted.get(entry.get("unit"))
         if k is None or entry.get("tokenizer") != identity or entry["shard"]["name"] != shard_name(k):
             continue
-        info = ShardInfo(**{**entry["shard"], "bin_crc32": tuple(entry["shard"]["bin_crc32"])})
-        sizes = ((folder / f"{info.name}.bin", info.tokens * dtype.itemsize), (folder / f"{info.name}.idx", info.documents * 8))
-        if all(p.is_file() and p.stat().st_size == n for p, n in sizes):
+        info = ShardInfo.from_json(entry["shard"])
+        if all(p.is_file() and p.stat().st_size == n for p, n in info.files(folder, dtype)):
             done[k] = info
     return done
 

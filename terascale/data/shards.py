@@ -59,6 +59,18 @@ class ShardInfo:
     bin_crc32: tuple[int, ...]
     idx_crc32: int
 
+    @staticmethod
+    def from_json(record: dict[str, Any]) -> ShardInfo:
+        """The record as the manifest and the preparation journal hold it (``asdict``)."""
+        return ShardInfo(**{**record, "bin_crc32": tuple(record["bin_crc32"])})
+
+    def files(self, folder: Path, dtype: np.dtype) -> tuple[tuple[Path, int], tuple[Path, int]]:
+        """The ``.bin`` and ``.idx`` files of this shard in ``folder``, each with its size in bytes."""
+        return (
+            (folder / f"{self.name}.bin", self.tokens * dtype.itemsize),
+            (folder / f"{self.name}.idx", self.documents * 8),
+        )
+
 
 def shard_name(k: int) -> str:
     return f"shard-{k:05d}"
@@ -171,7 +183,7 @@ class TokenStore:
             check_tokenizer(self.manifest["tokenizer"], tokenizer, str(self.folder))
         self.dtype = np.dtype(self.manifest["dtype"])
         self.block_bytes = int(self.manifest["block_bytes"])
-        self.shards = [ShardInfo(**{**s, "bin_crc32": tuple(s["bin_crc32"])}) for s in self.manifest["shards"]]
+        self.shards = [ShardInfo.from_json(s) for s in self.manifest["shards"]]
         counts = np.array([s.tokens for s in self.shards], dtype=np.int64)
         self.shard_starts = np.concatenate([[0], np.cumsum(counts)])
         self._open()
@@ -196,9 +208,9 @@ class TokenStore:
         self._bins: list[np.ndarray] = []
         ends = []
         for s, base in zip(self.shards, self.shard_starts[:-1]):
-            bin_path, idx_path = self.folder / f"{s.name}.bin", self.folder / f"{s.name}.idx"
-            _check_size(bin_path, s.tokens * self.dtype.itemsize)
-            _check_size(idx_path, s.documents * 8)
+            (bin_path, bin_size), (idx_path, idx_size) = s.files(self.folder, self.dtype)
+            _check_size(bin_path, bin_size)
+            _check_size(idx_path, idx_size)
             idx_bytes = idx_path.read_bytes()
             if self.verify != "none" and zlib.crc32(idx_bytes) != s.idx_crc32:
                 raise ShardError(f"{idx_path}: checksum mismatch (the document index is damaged); prepare it again")

@@ -78,19 +78,15 @@ class DataPosition:
     def __init__(self, loader: DataLoader | GlobalBatches | None = None) -> None:
         self.loader = loader
 
-    def _holder(self) -> Any:
-        if isinstance(self.loader, GlobalBatches):
-            return self.loader
-        return getattr(self.loader, "sampler", None)
-
+    # A GlobalBatches is its own ``sampler``: one lookup serves both kinds of loader.
     def state_dict(self) -> dict[str, Any] | None:
-        holder = self._holder()
-        return holder.state_dict() if hasattr(holder, "state_dict") else None
+        sampler = getattr(self.loader, "sampler", None)
+        return sampler.state_dict() if hasattr(sampler, "state_dict") else None
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        holder = self._holder()
-        if state is not None and hasattr(holder, "load_state_dict"):
-            holder.load_state_dict(state)
+        sampler = getattr(self.loader, "sampler", None)
+        if state is not None and hasattr(sampler, "load_state_dict"):
+            sampler.load_state_dict(state)
 
 
 def build_dataloader(
