@@ -81,7 +81,7 @@ def run_once(setting: str, timeout: float = 300.0) -> dict:
         out = tmp / "run"
         out.mkdir()
         port = _free_port()
-        args = [sys.executable, "-m", "terascale", "run", "--nnodes", "1:2", "--nproc", "1", "--master_addr",
+        args = [sys.executable, "-m", "terascale", "run", "--nnodes", "1:2", "--elastic", "restart", "--nproc", "1", "--master_addr",
                 "127.0.0.1", "--master_port", str(port), "--max-restarts", "2"]  # fmt: skip
         if SETTINGS[setting] is not None:
             args += ["--rdzv_conf", SETTINGS[setting]]

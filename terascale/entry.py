@@ -105,8 +105,11 @@ def initialize(
     check_layout(model, cfg, dist_ctx)
     # [Note: the planner at initialize]: "auto" stage, offload, micro-batch and checkpointing
     # chosen (or an explicit plan checked) before anything big is allocated.
-    planned = plan_for_initialize(model, cfg, world=dist_ctx.dp_world_size, rank=dist_ctx.rank,
-                                  training_data=training_data, collate_fn=collate_fn, wrap_policy=wrap_policy)
+    # A rank joining a running live elastic job takes its state from the running ranks, whose
+    # plan stands: it runs none of its own (the planner's agreement is a collective they skip).
+    planned = {} if dist_ctx.carried_state else plan_for_initialize(
+        model, cfg, world=dist_ctx.dp_world_size, rank=dist_ctx.rank, training_data=training_data,
+        collate_fn=collate_fn, wrap_policy=wrap_policy)  # fmt: skip
     # [Note: auto values]: what an integration gave is already in cfg; the rest comes
     # from the world size and the model as the user built it.
     cfg = cfg.resolve(AutoContext(world_size=dist_ctx.dp_world_size, model=model, given=planned))

@@ -7,6 +7,8 @@ users do, with gloo on CPU, and bound every process with a timeout.
 
 from __future__ import annotations
 
+import dataclasses
+
 import io
 import json
 import os
@@ -200,7 +202,7 @@ def test_torchrun_args_node_rank_uses_the_static_rendezvous():
 
 
 def test_torchrun_args_elastic_range_and_defaults():
-    opts = LaunchOptions(script="t.py", nnodes="1:4", master_addr="head")
+    opts = LaunchOptions(script="t.py", nnodes="1:4", master_addr="head", elastic="restart")
     ns = _torchrun_parse(torchrun_args(opts, nproc_per_node=1))
     assert (ns.nnodes, ns.rdzv_endpoint) == ("1:4", "head:29500")
     # a port alone on one node: c10d on loopback rather than standalone
@@ -341,7 +343,7 @@ def test_ssh_commands_per_host(tmp_path):
 
 def test_ssh_commands_master_override_and_elastic():
     pool = {"a": 1, "b": 1, "c": 1}
-    opts = LaunchOptions(script="t.py", nnodes="2:5", master_addr="10.0.0.1", master_port=5000)
+    opts = LaunchOptions(script="t.py", nnodes="2:5", master_addr="10.0.0.1", master_port=5000, elastic="restart")
     cmds = ssh_commands(opts, select_resources(pool, nnodes="2:5"), slots_per_host=pool, exports={},
                         cwd="/w", rdzv_id="r")
     assert [c[-2] for c in cmds] == ["a", "b", "c"]
@@ -350,6 +352,26 @@ def test_ssh_commands_master_override_and_elastic():
         assert env == {}
         ns = _torchrun_parse(argv)
         assert (ns.nnodes, ns.rdzv_endpoint) == ("2:3", "10.0.0.1:5000")
+    # The default for a range: every host runs a live elastic agent over the same store.
+    live = dataclasses.replace(opts, elastic="live")
+    for cmd in ssh_commands(live, select_resources(pool, nnodes="2:5"), slots_per_host=pool, exports={},
+                            cwd="/w", rdzv_id="r"):
+        argv = _split_remote(cmd[-1])[2]
+        assert argv[1:3] == ["-m", "terascale.elastic.agent"], argv
+        assert {"--endpoint=10.0.0.1:5000", "--nnodes=2:3", "--run-id=r"} <= set(argv)
+        assert argv[argv.index("--") + 1 :][-1] == "t.py"
+
+
+def test_live_agent_args_carry_the_timings_and_refuse_torchrun_settings():
+    opts = LaunchOptions(script="t.py", script_args=("--x",), nnodes="1:4", master_addr="h", elastic_timeout=5,
+                         elastic_expiry=2)  # fmt: skip
+    argv = torchrun_args(opts, 2)
+    assert "--timeout=5" in argv and "--expiry=2" in argv and "--nproc=2" in argv
+    assert argv[argv.index("--") + 1 :][-2:] == ["t.py", "--x"]
+    with pytest.raises(ValueError, match="--rdzv_conf configures torchrun"):
+        torchrun_args(dataclasses.replace(opts, rdzv_conf="last_call_timeout=4"), 1)
+    with pytest.raises(ValueError, match="--elastic 'sometimes'"):
+        LaunchOptions(script="t.py", elastic="sometimes")
 
 
 # ---------------------------------------------------------------------------
@@ -838,7 +860,8 @@ def test_no_ssh_starts_this_machine_as_its_node_of_the_hostfile():
     ns = _torchrun_parse(torchrun_args(here, 2))
     assert (ns.nnodes, ns.rdzv_backend, ns.node_rank, ns.master_addr, ns.master_port) == ("3", "static", 1, "a", 29500)
     # An elastic range: c10d gives the ranks; --node_rank only picked this host.
-    here = node_options(LaunchOptions(script="t.py", no_ssh=True, node_rank=2, nnodes="2:3", master_addr="m"),
+    here = node_options(LaunchOptions(script="t.py", no_ssh=True, node_rank=2, nnodes="2:3", master_addr="m",
+                                      elastic="restart"),
                         select_resources(pool, nnodes="2:3"))  # fmt: skip
     ns = _torchrun_parse(torchrun_args(here, 2))
     assert (ns.nnodes, ns.rdzv_backend, ns.rdzv_endpoint) == ("2:3", "c10d", "m:29500")

@@ -329,7 +329,7 @@ def test_rendezvous_settings_that_could_split_a_job_are_refused(spec: str, messa
 
 def test_terascale_run_refuses_unsafe_settings_before_starting_anything() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "terascale", "run", "--nnodes", "1:2", "--master_addr", "127.0.0.1",
+        [sys.executable, "-m", "terascale", "run", "--nnodes", "1:2", "--elastic", "restart", "--master_addr", "127.0.0.1",
          "--rdzv_conf", "keep_alive_interval=1,keep_alive_max_attempt=2", "train.py"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip

@@ -148,7 +148,7 @@ def test_lose_a_node_for_good_continue_on_one(uninterrupted: dict, tmp_path: Pat
     elastic = {"enabled": True, "max_train_batch_size": 8, "micro_batch_sizes": [2, 4], "min_gpus": 1, "max_gpus": 2}
     cfg, port = config(tmp_path, elasticity=elastic), free_port()
     (tmp_path / "run").mkdir()
-    args = ["run", "--nnodes", "1:2", "--nproc", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
+    args = ["run", "--nnodes", "1:2", "--elastic", "restart", "--nproc", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
             # last_call_timeout: how long the first agent waits for the second to join the first
             # rendezvous (the second starts once the first listens: seconds on a busy machine).
             "--rdzv_conf", "last_call_timeout=4", "--max-restarts", "2", str(SCRIPT), "--config", str(cfg),

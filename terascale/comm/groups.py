@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from terascale.comm import discovery, ops
+from terascale.elastic import world
+from terascale.elastic.membership import JobClosed
 
 
 @runtime_checkable
@@ -73,6 +75,11 @@ class DistributedContext:
     sp_rank: int = 0
     sp_world_size: int = 1
     sdp_group: ProcessGroup | None = None
+    # A live elastic job ([Note: membership epochs]): this process's membership (a
+    # terascale.elastic.membership.Membership), and whether peers of the running job hold
+    # the training state this rank must take (it joined an epoch that carries state).
+    elastic: Any = None
+    carried_state: bool = False
 
     @property
     def zero_group(self) -> ProcessGroup:
@@ -130,6 +137,17 @@ def init_distributed(
             )
         torch.cuda.set_device(device)
 
+    membership, carried = None, False
+    if not dist.is_initialized() and init_method is None and rank is None and world.started_live():
+        # [Note: the live elastic agent]: the membership gives the rank and world size.
+        membership = world.connect()
+        try:
+            epoch = membership.join()
+        except JobClosed as done:
+            print(f"terascale: {done}; nothing to do", flush=True)
+            raise SystemExit(0) from None
+        world.init_epoch_group(membership, epoch, backend or _default_backend(device.type))
+        carried = bool(epoch.carried)
     if not dist.is_initialized():
         backend = backend or _default_backend(device.type)
         kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
@@ -158,6 +176,8 @@ def init_distributed(
         dp_group=dp_group,
         dp_rank=dist.get_rank(dp_group),
         dp_world_size=dist.get_world_size(dp_group),
+        elastic=membership,
+        carried_state=carried,
     )
     if mpu is None:
         return ctx

@@ -144,7 +144,9 @@ def composed(op: str, payload: Payload, group: ProcessGroup | None) -> contextli
     it); the wrapped calls inside the block are not recorded on their own.
     """
     recorder = _recorder()
-    return _NOT_RECORDING if recorder is None else _Composed(recorder, op, payload, group)
+    if recorder is None or getattr(recorder, "sees_parts", False):
+        return _NOT_RECORDING  # a recorder that must see every part (a fault gate) sees them on their own
+    return _Composed(recorder, op, payload, group)
 
 
 # -- collectives ---------------------------------------------------------------------------------

@@ -77,6 +77,10 @@ class ElasticityConfig(Section):
     ignore_non_elastic_batch_info: bool = False
     num_gpus_per_node: int = Field(1, ge=1)
     model_parallel_size: int = Field(1, ge=1)
+    # terascale's: a live elastic job ([Note: in-memory redundancy]) copies each rank's
+    # state to a peer every this many optimizer steps (0: no copies; a lost node then
+    # costs a return to the last checkpoint). Read whenever the live agent runs the job.
+    mirror_interval_steps: int = Field(1, ge=0)
 
     @field_validator("version")
     @classmethod

@@ -85,6 +85,11 @@ class GlobalBatches:
         self.collate = collate_fn or default_collate
         self.num_workers, self.prefetch_factor, self.pin_memory = num_workers, prefetch_factor, pin_memory
         self.position = 0  # P: samples the whole job has consumed
+        self._shape = 0  # counts reshape()s: an iterator in progress starts again where P is
+        # How reader processes start (None: the platform's default, fork on Linux). A live
+        # elastic rank sets a fork server: forking a process whose process groups were
+        # rebuilt can crash the child.
+        self.worker_context: Any = None
         self.wait_seconds = 0.0
         self.batch_size = micro_batch_size  # as DataLoader names it
 
@@ -114,11 +119,23 @@ class GlobalBatches:
         start = epoch * self.num_samples // self.per_step * self.per_step
         self.position = max(self.position, start)
 
+    def reshape(self, rank: int, world: int, micro_batch_size: int) -> None:
+        """Become replica ``rank`` of ``world`` with ``micro_batch_size`` (a live resize of
+        the job; the position is set next, by ``load_state_dict``). An iteration in
+        progress continues from the position, in the new shape."""
+        if micro_batch_size < 1 or world < 1 or not 0 <= rank < world:
+            raise ValueError(f"micro_batch_size {micro_batch_size}, rank {rank} of {world}: not a replica's batch")
+        self.rank, self.world, self.micro = rank, world, micro_batch_size
+        self.batch_size = micro_batch_size
+        self._shape += 1
+
     def __iter__(self) -> Iterator[Any]:
         if self.position % self.per_step:
             raise ValueError(self._misaligned(self.position))
-        end = (self.epoch + 1) * self.num_samples
-        first, last = self.position // self.per_step, -(-end // self.per_step)
+        return self._deliver(self.epoch)
+
+    def _reader(self, first: int, last: int) -> Iterator[Any]:
+        """Micro-steps ``first`` to ``last`` (exclusive) of this replica, read ahead."""
         items = _MicroBatches(self.dataset, self.order, self.per_step, self.rank, self.micro, self.collate)
         # A daemonic process (a rank started by multiprocessing with daemon=True) may not
         # start processes of its own: it reads in the loop instead.
@@ -131,17 +148,28 @@ class GlobalBatches:
             num_workers=workers,
             prefetch_factor=self.prefetch_factor if workers else None,
             pin_memory=self.pin_memory,
+            multiprocessing_context=self.worker_context if workers else None,
         )
-        # Started here, not at the first next(): the workers read ahead from iter() on.
-        return self._deliver(iter(loader), last - first)
+        return iter(loader)
 
-    def _deliver(self, it: Iterator[Any], count: int) -> Iterator[Any]:
-        for _ in range(count):
-            t0 = time.perf_counter()
-            batch = next(it)
-            self.wait_seconds += time.perf_counter() - t0
-            self.position += self.per_step
-            yield batch
+    def _deliver(self, epoch: int) -> Iterator[Any]:
+        end = (epoch + 1) * self.num_samples
+        while True:
+            shape = self._shape
+            first, last = self.position // self.per_step, -(-end // self.per_step)
+            # Started here, not at the first next(): the workers read ahead from iter() on.
+            it = self._reader(first, last)
+            for _ in range(last - first):
+                t0 = time.perf_counter()
+                batch = next(it)
+                self.wait_seconds += time.perf_counter() - t0
+                self.position += self.per_step
+                yield batch
+                if self._shape != shape:
+                    break  # resized while the loop held that batch: read on in the new shape
+            else:
+                return
+            del it
 
     def _fingerprint(self) -> Any:
         fingerprint = getattr(self.dataset, "fingerprint", None)

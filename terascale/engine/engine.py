@@ -41,6 +41,7 @@ from terascale.engine.optimizer import (
 )
 from terascale.engine.parallel import join_model_parallel
 from terascale.engine.prepare import PreparedModel
+from terascale.engine.live import live_elastic
 from terascale.engine.resilience import Resilience
 from terascale.engine.train_state import TrainCounter, TrainState, WindowState
 from terascale.errors import UsageError
@@ -73,23 +74,37 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         super().__init__()
         assert not config.auto_keys, f"resolve the config's 'auto' values first: {config.auto_keys}"
         self.config = config
-        self.dist = dist_ctx
-        # Read through DeepSpeed's methods: train_batch_size(), gradient_accumulation_steps().
-        self._batch = batch = config.resolve_batch(dist_ctx.dp_world_size)
-        self.micro_batch_size = batch.micro_batch_size
         self.module = prepared.module
         self.precision = prepared.precision
         self.activations = prepared.activations
+        self._param_groups = prepared.param_groups  # the user's groups and ZeRO's wrap policy,
+        self._wrap = prepared.wrap  # for a resize's new model state
         self._layout = prepared.layout
         self._state = prepared.state
         self.optimizer = engine_optimizer(optimizer, config, self._state, self._layout)  # None: forward only
         self.lr_scheduler = engine_scheduler(lr_scheduler, config, self.optimizer)
         self.loss_scaler = build_loss_scaler(config.fp16, int(config.zero_optimization.stage))
-
-        train = self._train = TrainState(
+        batch = config.resolve_batch(dist_ctx.dp_world_size)
+        self._train = TrainState(
             batch.gradient_accumulation_steps, dist_ctx.device, managed=config.managed_gradient_accumulation
         )  # fmt: skip
         self._data = DataPosition(training_dataloader)
+        self._live = live_elastic(config, dist_ctx)  # None unless a live elastic agent started this rank
+        self._assemble(dist_ctx)
+        if self._live is None or not self._live.adopt_state(self, fresh=True):
+            self._resilience.auto_resume()  # save_dir's lease; with checkpoint.auto_resume, the newest checkpoint
+        _LIVE.add(self)  # for DeepSpeed's per-parameter functions (safe_get_full_grad(param))
+
+    def _assemble(self, dist_ctx: DistributedContext) -> None:
+        """Build the parts that depend on the world: the batch split, the checkpointer,
+        the monitors and the backward bracket. Called at construction and by a live
+        resize ([Note: membership epochs]), after the model state was rebuilt."""
+        self.dist = dist_ctx
+        # Read through DeepSpeed's methods: train_batch_size(), gradient_accumulation_steps().
+        self._batch = batch = self.config.resolve_batch(dist_ctx.dp_world_size)
+        self.micro_batch_size = batch.micro_batch_size
+        train, config = self._train, self.config
+        train.gradient_accumulation_steps = batch.gradient_accumulation_steps
         self._reporter = Reporter(config, dist_ctx, lambda: train.global_samples)
         self._checkpointer = Checkpointer(
             self.module, self._state, self._layout, self.optimizer, config, train,
@@ -112,8 +127,6 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
             lambda: self.loss_scaler.scale, batch.gradient_accumulation_steps,
             [p for p in self.module.parameters() if p.requires_grad],
         )  # fmt: skip
-        self._resilience.auto_resume()  # save_dir's lease; with checkpoint.auto_resume, the newest checkpoint
-        _LIVE.add(self)  # for DeepSpeed's per-parameter functions (safe_get_full_grad(param))
 
     # -- properties a training script reads ------------------------------------------------
 
@@ -282,9 +295,15 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
                 self._train.count_micro_step()
                 return
             samples = self._window_samples()
+            live, outcome = self._live, None
             with self._phase("step", timed=False):
-                self._reduce_window()
-                outcome = self._update(scheduler)
+                if live is None or not live.interrupted():
+                    self._reduce_window()
+                    outcome = self._update(scheduler)
+        if live is not None and live.interrupted():
+            # [Note: collectives after a fault]: nothing of this step stands.
+            live.recover(self)
+            return
         if outcome is None:  # rolled back: the checkpoint's counters stand
             return
         applied, norm = outcome
@@ -294,6 +313,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._train.reset_window_loss()
         self.activations.log_profile(self._train.global_steps)
         self._resilience.after_step()
+        if live is not None:
+            live.after_step(self)
 
     def _window_samples(self) -> int:
         """Samples the window ending now trained on: the global batch, or where the caller
@@ -360,6 +381,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         gradient under ``health.non_finite.policy`` skip): ``(applied, gradient norm)``.
         None when it rolled back to a checkpoint instead (policy rollback)."""
         self._checkpointer.before_update()  # an asynchronous save may still read the state
+        if self._live is not None:
+            self._live.before_update()  # so may the mirror's refresh ([Note: in-memory redundancy])
         scale = self.loss_scaler.scale
         norm = None
         clip = self.config.gradient_clipping
@@ -403,6 +426,8 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         window's last backward: let a background checkpoint write finish reading the state;
         the gradient multiplier (as :meth:`_update` makes it: no clipping, no fp16 there)."""
         self._checkpointer.before_update()
+        if self._live is not None:
+            self._live.before_update()
         return torch.tensor(1.0 / self.loss_scaler.scale, device=self.device)
 
     @contextmanager
@@ -412,7 +437,11 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         (``timed``) and failure notice."""
         self._require_states_resident()
         with self._observe.phase(name, inputs), self._resilience.phase(name, timed=timed):
-            yield
+            if self._live is None:
+                yield
+            else:
+                with self._live.gated():
+                    yield
 
     def _input_cast_dtype(self) -> torch.dtype | None:
         if self.config.fp16.enabled and self.config.fp16.auto_cast:

@@ -81,6 +81,8 @@ class PreparedModel:
     activations: EngineActivations
     layout: ParallelLayout
     state: ModelState
+    param_groups: Sequence[dict] = ()  # the user's optimizer groups over the module's parameters
+    wrap: WrapPolicy | None = None  # how ZeRO grouped them (a resize groups them again alike)
 
 
 def prepare_model(
@@ -118,7 +120,8 @@ def prepare_model(
             f"sequence_parallel_size {dist_ctx.sp_world_size} with expert parallelism: the two do not compose yet "
             "(expert groups are built over the data-parallel ranks); drop one of them"
         )
-    broadcast_initial_values(module, dist_ctx, experts)
+    if not dist_ctx.carried_state:  # else the running ranks give this one its values (a live resize)
+        broadcast_initial_values(module, dist_ctx, experts)
     sp = config.sequence_parallel
     tiles = TilePolicy(mlp=sp.tiled_mlp, loss=sp.tiled_loss, above=sp.tile_above, mlp_tiles=sp.mlp_tiles,
                        loss_tile_bytes=sp.loss_tile_bytes)  # fmt: skip
@@ -144,7 +147,7 @@ def prepare_model(
     activations = EngineActivations(module, config, dist_ctx, wrap)
     layout = ParallelLayout.build(module, dist_ctx, experts)
     state = build_model_state(module, param_groups, config, dist_ctx, precision, wrap, layout.classes, experts)
-    return PreparedModel(module, precision, activations, layout, state)
+    return PreparedModel(module, precision, activations, layout, state, param_groups, wrap)
 
 
 def user_param_groups(

@@ -51,6 +51,16 @@ def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    "keep_alive_max_attempt=5, last_call_timeout=2: a lost node is re-formed around in "
                    "seconds), e.g. 'last_call_timeout=5,join_timeout=900'; keep-alive settings that "
                    "could split the job (under 3 attempts or 4 s) are refused")
+    p.add_argument("--elastic", default="live", choices=("live", "restart"),
+                   help="with --nnodes MIN:MAX: live (default) keeps the rank processes when nodes leave or join, "
+                   "moving the state in memory; restart is torchrun's (every change restarts them from the last "
+                   "checkpoint)")
+    p.add_argument("--elastic_timeout", "--elastic-timeout", dest="elastic_timeout", type=float, default=None,
+                   metavar="S", help="live elastic: seconds a collective waits for a peer that stopped answering "
+                   "before the job goes on without it (default 30)")
+    p.add_argument("--elastic_expiry", "--elastic-expiry", dest="elastic_expiry", type=float, default=None,
+                   metavar="S", help="live elastic: seconds without a heartbeat before a member counts as gone "
+                   "(default 1)")
     p.add_argument("-H", "--hostfile", default=None, metavar="FILE",
                    help="DeepSpeed-format hostfile ('HOST slots=N' lines); start one agent per host over ssh")
     p.add_argument("--launcher", default="torchrun", type=launcher_name, choices=("torchrun", "pdsh", "mpi", "slurm"),
@@ -84,6 +94,9 @@ def _launch_options(args: argparse.Namespace, script: str, script_args: Sequence
         master_port=args.master_port,
         rdzv_id=args.rdzv_id,
         rdzv_conf=args.rdzv_conf,
+        elastic=getattr(args, "elastic", "live"),
+        elastic_timeout=getattr(args, "elastic_timeout", None),
+        elastic_expiry=getattr(args, "elastic_expiry", None),
         max_restarts=max_restarts,
         module=module,
         local_rank_arg=local_rank_arg,

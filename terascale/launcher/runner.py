@@ -160,6 +160,11 @@ class LaunchOptions:
     ssh_port: int | None = None
     venv_script: str | None = None
     log_level: str = "info"  # terascale run's own messages: debug, info, or quieter
+    # An elastic MIN:MAX job: "live" keeps the rank processes through membership changes
+    # ([Note: the live elastic agent]); "restart" is torchrun's (every change restarts them).
+    elastic: str = "live"
+    elastic_timeout: float | None = None  # seconds a collective waits for a silent peer (live)
+    elastic_expiry: float | None = None  # seconds without a heartbeat before a member is gone (live)
 
     def __post_init__(self) -> None:
         if not self.script:
@@ -189,6 +194,11 @@ class LaunchOptions:
             raise ValueError("--module and --no_python: a module runs with python -m; give one of them")
         if self.ssh_port is not None and not 0 < self.ssh_port < 65536:
             raise ValueError(f"--ssh_port {self.ssh_port}: must be in 1..65535")
+        if self.elastic not in ("live", "restart"):
+            raise ValueError(f"--elastic {self.elastic!r}: choose live (keep the processes) or restart (torchrun's)")
+        for flag, value in (("--elastic_timeout", self.elastic_timeout), ("--elastic_expiry", self.elastic_expiry)):
+            if value is not None and value <= 0:
+                raise ValueError(f"{flag} {value}: must be a positive number of seconds")
 
     @property
     def binds_cores(self) -> bool:
@@ -249,6 +259,8 @@ def torchrun_args(opts: LaunchOptions, nproc_per_node: int, python: str = sys.ex
     if nproc_per_node < 1:
         raise ValueError(f"nproc_per_node {nproc_per_node}: need at least one process per node")
     low, high = parse_nnodes(opts.nnodes or "1")
+    if low < high and opts.elastic == "live":
+        return live_agent_args(opts, nproc_per_node, python)
     args = [python, "-m", "torch.distributed.run"]
     if high == 1 and opts.master_addr is None and opts.master_port is None:
         args += ["--standalone", "--nnodes=1"]
@@ -284,6 +296,32 @@ def torchrun_args(opts: LaunchOptions, nproc_per_node: int, python: str = sys.ex
         args.append("--no-python")
     args += [opts.script, *opts.script_args]
     return args
+
+
+def live_agent_args(opts: LaunchOptions, nproc_per_node: int, python: str = sys.executable) -> list[str]:
+    """The argv of one live elastic agent ([Note: the live elastic agent]) for ``opts``,
+    whose ``nnodes`` is a range: its store at ``master_addr:master_port``."""
+    if opts.master_addr is None:
+        raise ValueError(f"--nnodes {opts.nnodes} needs --master_addr (the address every node can reach for the "
+                         "job's store), or a --hostfile to start all nodes from here")  # fmt: skip
+    if opts.rdzv_conf is not None:
+        raise ValueError("--rdzv_conf configures torchrun's rendezvous; a live elastic job (--elastic live, the "
+                         "default) takes --elastic_expiry and --elastic_timeout: drop it, or add --elastic restart")
+    args = [python, "-m", "terascale.elastic.agent", f"--endpoint={_endpoint(opts.master_addr, opts.master_port or DEFAULT_MASTER_PORT)}",
+            f"--run-id={opts.rdzv_id or 'terascale'}", f"--nnodes={opts.nnodes}", f"--nproc={nproc_per_node}",
+            f"--max-restarts={opts.max_restarts}"]  # fmt: skip
+    if opts.elastic_timeout is not None:
+        args.append(f"--timeout={opts.elastic_timeout}")
+    if opts.elastic_expiry is not None:
+        args.append(f"--expiry={opts.elastic_expiry}")
+    shim = opts.shim_args()
+    if shim is not None:
+        return [*args, "--", python, "-m", "terascale.launcher.worker", *shim]
+    if opts.no_python:
+        return [*args, "--", opts.script, *opts.script_args]
+    if opts.module:
+        return [*args, "--", python, "-u", "-m", opts.script, *opts.script_args]
+    return [*args, "--", python, "-u", opts.script, *opts.script_args]
 
 
 # ---------------------------------------------------------------------------
