@@ -120,8 +120,9 @@ def worker(argv: list[str]) -> None:
     import terascale
 
     out = Path(a.out)
-    rank = int(os.environ["RANK"])
-    pid, node = os.getpid(), os.environ.get("GROUP_RANK")
+    live = bool(os.environ.get("TERASCALE_ELASTIC_STORE"))  # started by the live elastic agent
+    rank = int(os.environ.get("RANK", "-1"))  # a live rank learns its rank from its first epoch
+    pid, node = os.getpid(), os.environ.get("GROUP_RANK", os.environ.get("TERASCALE_ELASTIC_NODE"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     events = open(out / "events.jsonl", "a", buffering=1)  # every rank: start, errors, end
 
@@ -145,27 +146,36 @@ def worker(argv: list[str]) -> None:
 
     try:
         engine, _, _, _ = terascale.initialize(model=model, config=a.config)
-        world = engine.dist.dp_world_size
-        micro, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-        # A formation (one rendezvous round's set of ranks) is named after its rank 0: only
-        # rank 0 writes the step log, and two formations alive at once have two rank 0s.
-        formation = f"{pid}.{uuid.uuid4().hex[:4]}"  # pids get reused on a long run
-        event(e="start", world=world, resumed=engine.global_steps, load_s=engine.resumed_in_s)
-        steps = open(out / "steps.jsonl", "a", buffering=1) if rank == 0 else None
-        if steps is not None:
-            steps.write(json.dumps({"e": "start", "f": formation, "t": time.time(), "world": world,
-                                    "resumed": engine.global_steps, "micro": micro, "acc": accumulation,
-                                    "node": node, "restart": restart}) + "\n")
         mse = nn.MSELoss()
         interval = json.loads(Path(a.config).read_text()).get("checkpoint", {}).get("interval_steps")
+        shape = None
+        steps = None
         while True:
+            # A formation (one rendezvous round's set of ranks; under the live agent, one
+            # membership epoch) is named after its rank 0: only rank 0 writes the step log,
+            # and two formations alive at once have two rank 0s. A live resize changes the
+            # rank, the world and the batch split in this process: read them every step.
+            epoch = engine.dist.elastic.epoch.number if live else 0
+            if shape != epoch:
+                shape, rank, world = epoch, engine.dist.rank, engine.dist.dp_world_size
+                micro, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+                formation = f"{pid}.{epoch}.{uuid.uuid4().hex[:4]}"  # pids get reused on a long run
+                event(e="start", world=world, resumed=engine.global_steps, load_s=engine.resumed_in_s)
+                steps = open(out / "steps.jsonl", "a", buffering=1) if rank == 0 else None
+                if steps is not None:
+                    steps.write(json.dumps({"e": "start", "f": formation, "t": time.time(), "world": world,
+                                            "resumed": engine.global_steps, "micro": micro, "acc": accumulation,
+                                            "node": node, "restart": restart}) + "\n")
             last = a.steps
-            if not last:  # rank 0 reads the final step; every rank must agree on it
+            if not last and live:  # the driver writes the final step once, ahead: every rank reads it
+                last = _read_stop(out)
+            elif not last:  # rank 0 reads the final step; every rank must agree on it
                 mine = torch.tensor([_read_stop(out) if rank == 0 else 0], dtype=torch.int64)
                 dist.broadcast(mine, 0)
                 last = int(mine)
             if engine.global_steps >= last:
                 break
+            before = engine.global_steps
             x, y = global_batch(engine.global_steps + 1)
             total = 0.0
             for k in range(accumulation):  # micro-batch k of this rank: a fixed slice of the global batch
@@ -174,6 +184,8 @@ def worker(argv: list[str]) -> None:
                 engine.backward(loss)
                 engine.step()
                 total += float(loss.detach()) / accumulation
+            if engine.global_steps != before + 1:
+                continue  # a fault: this window was not applied (the state went back to a complete step)
             if steps is not None:
                 record = {"e": "step", "f": formation, "t": time.time(), "step": engine.global_steps, "world": world,
                           "loss": total}
@@ -351,7 +363,9 @@ class Clock:
 class Job:
     """Two ``terascale run`` agents in ``box``'s namespace, logs and step records in ``out``."""
 
-    def __init__(self, box: Sandbox, out: Path, port: int, nproc: int, worker_args: list[str]) -> None:
+    def __init__(self, box: Sandbox, out: Path, port: int, nproc: int, worker_args: list[str],
+                 elastic: str = "live") -> None:  # fmt: skip
+        self.elastic = elastic
         self.box, self.out, self.port, self.nproc = box, out, port, nproc
         self.rdzv_id = f"soak-{uuid.uuid4().hex[:8]}"
         self.worker_args = worker_args
@@ -361,8 +375,11 @@ class Job:
         out.mkdir(parents=True, exist_ok=True)
 
     def start_agent(self, node: int, clock: Clock) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TERASCALE_DEVICE": "cpu", "PYTHONPATH": str(ROOT)}
-        argv = self.box.cmd(sys.executable, "-m", "terascale", "run", "--nnodes", "1:2", "--nproc", str(self.nproc),
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TERASCALE_DEVICE": "cpu", "PYTHONPATH": str(ROOT),
+               # live: the first epoch waits this long for the second node (both start within a second or two)
+               "TERASCALE_ELASTIC_LAST_CALL": "4"}
+        argv = self.box.cmd(sys.executable, "-m", "terascale", "run", "--nnodes", "1:2", "--elastic", self.elastic,
+                            "--nproc", str(self.nproc),
                             "--master_addr", "127.0.0.1", "--master_port", str(self.port), "--rdzv_id", self.rdzv_id,
                             "--max-restarts", "100000", "--no_local_rank", str(Path(__file__).resolve()), "worker",
                             *self.worker_args)
@@ -881,6 +898,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--faults", default=",".join(KINDS), help="comma-separated kinds: " + ", ".join(KINDS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nproc", type=int, default=1, help="ranks per node (world 2*nproc)")
+    p.add_argument("--elastic", choices=("live", "restart"), default="live",
+                   help="terascale run's elastic mode: live (ranks keep running through resizes) or restart")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=3)
@@ -993,7 +1012,7 @@ def run(a: argparse.Namespace, box: Sandbox, work: Path, clock: Clock, result: d
     soak_out = work / "soak"
     soak_out.mkdir()
     cfg = config(work / "soak.json", a, save_dir)
-    job = Job(box, soak_out, 29500, a.nproc, ["--config", str(cfg), "--out", str(soak_out), *model])
+    job = Job(box, soak_out, 29500, a.nproc, ["--config", str(cfg), "--out", str(soak_out), *model], a.elastic)
     watch = CheckpointWatch(save_dir)
     watch.start()
     soak = Soak(a, job, box, watch, clock)

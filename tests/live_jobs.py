@@ -48,7 +48,9 @@ def make_tokens(folder: Path, documents: int = 8, words: int = 400) -> Path:
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # The first epoch waits up to 5 s for every node (they start a second or two apart here).
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "TERASCALE_ELASTIC_LAST_CALL": "5"}
 
 
 class Node:
@@ -117,14 +119,16 @@ def steps(out: Path) -> dict[int, list[dict]]:
     return by_step
 
 
-def wait_for_step(out: Path, step: int, timeout: float = 120.0, world: int | None = None) -> float:
-    """Wait until some rank logged ``step`` (at ``world`` if given); returns its wall time."""
+def wait_for_step(out: Path, step: int, timeout: float = 120.0, world: int | None = None,
+                  after: float = 0.0) -> float:
+    """Wait until some rank logged ``step`` or a later one (at ``world`` if given, after the
+    time ``after``); returns the wall time of the first such record."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for s, records in steps(out).items():
-            for d in records:
-                if s >= step and (world is None or d["world"] == world):
-                    return d["time"]
+        found = [d["time"] for s, records in steps(out).items() for d in records
+                 if s >= step and (world is None or d["world"] == world) and d["time"] > after]  # fmt: skip
+        if found:
+            return min(found)
         time.sleep(0.05)
     raise TimeoutError(f"no rank logged step {step} within {timeout:.0f} s")
 

@@ -63,7 +63,7 @@ def test_node_killed_survivor_keeps_its_process_and_rejoin_grows_back(tokens: Pa
     b = lj.Node(port, tokens, out, "b", script_args=args)
     lj.wait_for_step(out, 8, world=2)
     killed = b.kill()
-    first = lj.wait_for_step(out, 0, world=1)
+    first = lj.wait_for_step(out, 0, world=1, after=killed)
     assert first - killed < 10, "the survivor took too long to step alone"  # the benchmark measures it
     b = lj.Node(port, tokens, out, "b2", script_args=args)
     assert a.wait(180) == 0 and b.wait(60) == 0, a.text()[-3000:] + b.text()[-3000:]
@@ -86,8 +86,9 @@ def test_a_paused_node_is_dropped_then_fenced_and_rejoins_as_a_new_member(tokens
     b = lj.Node(port, tokens, out, "b", script_args=args, agent_args=agent)
     lj.wait_for_step(out, 8, world=2)
     before = _pids_at(out, 2)
+    stopped = time.time()
     b.signal_ranks(signal.SIGSTOP)
-    lj.wait_for_step(out, 0, world=1)  # the collective timed out: the job went on without it
+    lj.wait_for_step(out, 0, world=1, after=stopped)  # the collective timed out: the job went on without it
     b.signal_ranks(signal.SIGCONT)
     assert a.wait(180) == 0 and b.wait(60) == 0, a.text()[-3000:] + b.text()[-3000:]
     assert "is not in epoch" in b.text() and "starting it again as a new member" in b.text()

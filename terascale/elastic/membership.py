@@ -130,7 +130,9 @@ class Membership:
         self.allowed = allowed or (lambda world: True)  # world sizes the job can train at
         self.id = f"{node}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
         self.epoch: Epoch | None = None
-        self._seen: dict[str, tuple[int, float | None]] = {}  # joiner -> (counter, when it last moved)
+        self._seen: dict[str, tuple[int, float | None]] = {}  # member -> (counter, when it was read)
+        self._ever: set[str] = set()  # members of any epoch up to _members_known
+        self._members_known = 0
         self._stop = threading.Event()
         self._beat_count = 0
         self._beats = threading.Thread(target=self._beat, name="terascale-heartbeat", daemon=True)
@@ -221,21 +223,23 @@ class Membership:
         return [j for j in self.joiners() if j not in known]
 
     def pending_joiners(self) -> list[str]:
-        """Live joiners the current epoch does not hold, without waiting: a joiner counts
-        once its counter was seen to move (rank 0 asks at step boundaries)."""
+        """Live joiners no epoch ever held, without waiting: a joiner counts once its
+        counter moved between two looks at most ``expiry`` apart (rank 0 asks at step
+        boundaries; a look long ago says nothing about now)."""
         assert self.epoch is not None
         now = time.monotonic()
+        for k in range(self._members_known + 1, self.epoch.number + 1):  # every member so far, once
+            past = self.read_epoch(k)
+            self._ever.update(past.members if past is not None else ())
+        self._members_known = self.epoch.number
         live = []
-        for j in self._waiting_joiners(self.epoch.members):
+        for j in self._waiting_joiners(tuple(self._ever)):
             count = self.store.add(f"hb/{j}", 0)
             seen = self._seen.get(j)
-            if seen is None:
-                self._seen[j] = (count, None)  # first sight: not known to be beating yet
-            elif seen[0] != count:
-                self._seen[j] = (count, now)
-            moved = self._seen[j][1]
-            if moved is not None and now - moved < self.timing.expiry and not self._left(j):
-                live.append(j)
+            self._seen[j] = (count, now)
+            if seen is not None and seen[0] != count and now - (seen[1] or 0.0) <= self.timing.expiry:
+                if not self._left(j):
+                    live.append(j)
         return live
 
     def _expected(self, number: int, live: Sequence[str]) -> int:

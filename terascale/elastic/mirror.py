@@ -28,7 +28,7 @@ import io
 import logging
 import pickle
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -43,8 +43,8 @@ from terascale.checkpoint.spans import BUFFER, OPTIM, OptimKey, SliceMode, Span
 from terascale.comm import DistributedContext, ops
 from terascale.config import Config
 from terascale.config.elasticity import plan_elastic
-from terascale.elastic.gate import FaultGate
-from terascale.elastic.membership import FencedError, Membership
+from terascale.elastic.gate import FaultGate, is_communication_error
+from terascale.elastic.membership import Epoch, FencedError, Membership
 from terascale.elastic.mirror import Mirror, Snapshot
 from terascale.elastic.spans import PackedState, exchange
 from terascale.elastic.world import collective_timeout, init_epoch_group, leave_epoch_group
@@ -164,14 +164,19 @@ class LiveElastic:
             holdings = self.mirror.holdings() if self.mirror is not None else []
         self.mirror = None
         self.gate.reset()
-        try:
-            epoch = m.next_planned() if planned else m.after_fault()
-        except FencedError as err:
-            logger.error("elastic: %s", err)
-            m.leave()
-            sys.exit(EXIT_FENCED)
+        epoch = self._next_after_fault(m, planned)
         decided = time.perf_counter()
-        init_epoch_group(m, epoch, engine.dist.backend)
+        for attempt in range(3):
+            try:
+                init_epoch_group(m, epoch, engine.dist.backend)
+                break
+            except Exception as err:  # noqa: BLE001 - a member of the new epoch never came (it died meanwhile)
+                if attempt == 2 or not is_communication_error(err):
+                    raise
+                logger.warning("elastic: epoch %d did not form (%s); deciding the next without the missing",
+                               epoch.number, str(err).splitlines()[0][:120])  # fmt: skip
+                leave_epoch_group()
+                epoch = self._next_after_fault(m)
         ctx = dataclasses.replace(
             engine.dist, rank=dist.get_rank(), world_size=dist.get_world_size(), dp_group=dist.group.WORLD,
             dp_rank=dist.get_rank(), dp_world_size=dist.get_world_size(), carried_state=True,
@@ -194,6 +199,14 @@ class LiveElastic:
             "members joined" if planned else "a member was lost", old.number, epoch.number, old.world_size,
             epoch.world_size, restored, record["pause_s"], record["decide_s"],
         )  # fmt: skip
+
+    def _next_after_fault(self, m: Membership, planned: bool = False) -> Epoch:
+        try:
+            return m.next_planned() if planned else m.after_fault()
+        except FencedError as err:
+            logger.error("elastic: %s", err)
+            m.leave()
+            sys.exit(EXIT_FENCED)
 
     def _restart(self, reason: str) -> None:
         logger.warning("elastic: the membership changed and %s: taking the restart path (the processes start "
