@@ -1090,15 +1090,22 @@ def report(r: dict) -> None:
     events = r.get("events", [])
     print()
     if events:
-        print("| fault | injected | recovered | time lost s (median / max) | steps redone | restarts |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        # Time lost runs from the fault to the first step of the formation it led to; under
+        # --elastic live a joining node's start-up does not stop the job, which steps on
+        # until the resize: the longest stall is what training lost there.
+        print(f"elastic mode: {r['args'].get('elastic', 'restart')}")
+        print("| fault | injected | recovered | time lost s (median / max) | longest stall s (median / max) | "
+              "steps redone | restarts |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         for kind in [*KINDS[:2], "rejoin", *KINDS[2:]]:
             es = [e for e in events if e["kind"] == kind]
             if not es:
                 continue
             lost = [e["time_lost_s"] for e in es if e.get("time_lost_s") is not None]
             spread = f"{statistics.median(lost):.1f} / {max(lost):.1f}" if lost else "-"
-            print(f"| {kind} | {len(es)} | {sum(bool(e.get('recovered')) for e in es)} | {spread} | "
+            stalls = [e["longest_stall_s"] for e in es if e.get("longest_stall_s") is not None]
+            stall = f"{statistics.median(stalls):.1f} / {max(stalls):.1f}" if stalls else "-"
+            print(f"| {kind} | {len(es)} | {sum(bool(e.get('recovered')) for e in es)} | {spread} | {stall} | "
                   f"{sum(e.get('steps_redone', 0) for e in es)} | {sum(e.get('restarts', 0) for e in es)} |")
         print()
         print("| # | at s | fault | detail | restarts (worlds) | resumed at | time lost s | steps redone | "

@@ -81,8 +81,17 @@ class Node:
 
     def kill(self) -> float:
         """SIGKILL the whole node; returns the time of the kill."""
+        import psutil
+
+        # The whole tree: torchrun (--elastic restart) starts its workers in sessions of their own.
+        tree = [psutil.Process(self.proc.pid)]
+        tree += tree[0].children(recursive=True)
         t = time.time()
-        os.killpg(self.proc.pid, signal.SIGKILL)
+        for p in tree:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
         self.proc.wait()
         return t
 

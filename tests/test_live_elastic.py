@@ -10,6 +10,7 @@ path the engine took (its resize records and log lines).
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -74,6 +75,9 @@ def test_node_killed_survivor_keeps_its_process_and_rejoin_grows_back(tokens: Pa
     survivors = _pids_at(out, 1)
     assert len(survivors) == 1 and survivors <= _pids_at(out, 2)
     assert "continuing from step" in a.text() and "restart path" not in a.text()
+    # The mirror's host memory is reported: two own snapshots and two of the peer's shards.
+    memory = json.loads((out / f"memory-{next(iter(survivors))}.json").read_text())
+    assert memory["elastic_mirror"] >= 2 * memory["optimizer_state"] > 0
 
 
 def test_a_paused_node_is_dropped_then_fenced_and_rejoins_as_a_new_member(tokens: Path, reference: dict,

@@ -287,6 +287,7 @@ class Membership:
         """
         n = self.store.add("joins", 1)
         self.store.set(f"join/{n}", self.id)
+        self.registered_at = time.time()  # when the running members can first see this joiner
         deadline = time.monotonic() + self.timing.join_timeout
         number = self.current()
         quorum_since: float | None = None

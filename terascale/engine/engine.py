@@ -537,8 +537,13 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds now, by kind: model states (the ZeRO formulas' quantity),
-        offload buffers, activations (see :func:`terascale.engine.memory.memory_breakdown`)."""
-        return memory_breakdown(self.module, self._state, self.optimizer, self.activations)
+        offload buffers, activations (see :func:`terascale.engine.memory.memory_breakdown`),
+        and ``elastic_mirror``: a live elastic job's host copies of this rank's state and of
+        a peer's ([Note: in-memory redundancy]; 0 otherwise)."""
+        out = memory_breakdown(self.module, self._state, self.optimizer, self.activations)
+        # [Note: in-memory redundancy]: host copies of this rank's state and a peer's.
+        out["elastic_mirror"] = 0 if self._live is None else self._live.host_bytes()
+        return out
 
     def activation_report(self) -> list[dict[str, Any]]:
         """Per checkpointed block: bytes and times (see :meth:`EngineActivations.report`)."""

@@ -103,6 +103,10 @@ class LiveElastic:
             valid = frozenset(plan_elastic(config.elasticity).valid_world_sizes)
             self.membership.allowed = valid.__contains__
 
+    def host_bytes(self) -> int:
+        """Host memory of the snapshots and mirrors (``memory_breakdown()['elastic_mirror']``)."""
+        return 0 if self.mirror is None else self.mirror.host_bytes()
+
     # -- during the step -------------------------------------------------------------------
 
     @contextmanager

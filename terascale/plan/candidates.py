@@ -108,7 +108,17 @@ def knobs_from_config(cfg: Any) -> Knobs:
         early_step=_early_step(cfg, name),
         overlap_step=bool(zero.offload_optimizer and zero.offload_optimizer.overlap_step),
         hpz=max(1, int(zero.zero_hpz_partition_size)),
+        mirror_copies=_mirror_copies(cfg),
     )
+
+
+def _mirror_copies(cfg: Any) -> int:
+    """Copies of a rank's masters and optimizer state a live elastic job keeps in host
+    memory ([Note: in-memory redundancy]): two own snapshots and two of a peer's; none
+    unless a live elastic agent started this process, or with ``mirror_interval_steps`` 0."""
+    from terascale.elastic.world import started_live
+
+    return 4 if started_live() and cfg.elasticity.mirror_interval_steps > 0 else 0
 
 
 def _early_step(cfg: Any, optimizer: str) -> bool:

@@ -113,6 +113,7 @@ class Knobs:
     # second set of gradient shards (or swap files) and stages the new parameters.
     overlap_step: bool = False
     hpz: int = 1  # zero_hpz_partition_size: stage 3 keeps a secondary partition over this many ranks
+    mirror_copies: int = 0  # live elasticity: host copies of the rank's masters and optimizer state
 
 
 @dataclass(frozen=True)
@@ -256,6 +257,9 @@ def predict(profile: ModelProfile, shape: Shape, knobs: Knobs, world: int, runti
     else:
         tier = "host" if shape.offload_optimizer == "cpu" else dev
         parts.append(Part("optimizer states", tier, state_bytes, f"fp32 masters and {knobs.optimizer} state"))
+    if knobs.mirror_copies:  # [Note: in-memory redundancy]: always host memory
+        parts.append(Part("working set", "host", knobs.mirror_copies * state_bytes,
+                          "live elasticity: two own snapshots of the masters and optimizer state, two of a peer's"))
     if has_device and shape.offload_optimizer != "none" and s >= 1 and not knobs.overlap_step:
         # [Note: the host step's transfers]: two staging buffers each way, and the gradient
         # shards kept in memory copied down under backward into a buffer per run.

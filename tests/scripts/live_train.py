@@ -41,8 +41,15 @@ class TinyLM(nn.Module):
         return nn.functional.cross_entropy(self.out(h).reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
 
 
-def model() -> nn.Module:
+def model(kind: str = "tiny") -> nn.Module:
     torch.manual_seed(0)
+    if kind == "gpt":  # the benchmark's: examples/gpt's GPT, 4 layers of width 640 (20.1M parameters)
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+        from gpt.model import GPT, GPTConfig
+
+        return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=10, n_embd=640))
     return TinyLM()
 
 
@@ -70,9 +77,12 @@ def train(args: argparse.Namespace) -> None:
     from terascale.data import PackedSamples
 
     out = Path(args.out)
-    engine, _, loader, _ = terascale.initialize(model=model(), config=config(args),
+    engine, _, loader, _ = terascale.initialize(model=model(args.model), config=config(args),
                                                 training_data=PackedSamples(args.data, SEQ))  # fmt: skip
     pid = os.getpid()
+    membership = engine.dist.elastic
+    (out / f"start-{pid}.json").write_text(json.dumps({"registered": getattr(membership, "registered_at", None),
+                                                        "steps": engine.global_steps}))  # fmt: skip
     log = open(out / f"steps-{pid}.jsonl", "a", buffering=1)
     hashes: list[str] = []
     losses: list[float] = []
@@ -101,6 +111,7 @@ def train(args: argparse.Namespace) -> None:
         torch.save(state, out / "final.pt")
     live = engine._live
     (out / f"resizes-{pid}.json").write_text(json.dumps(live.resizes if live is not None else []))
+    (out / f"memory-{pid}.json").write_text(json.dumps(engine.memory_breakdown()))
     engine.destroy()
 
 
@@ -108,7 +119,7 @@ def reference(args: argparse.Namespace) -> None:
     """The same global batches, in order, in one process: plain PyTorch with AdamW."""
     from terascale.data import GlobalBatches, PackedSamples
 
-    net = model()
+    net = model(args.model)
     optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=0.0)
     loader = GlobalBatches(PackedSamples(args.data, SEQ), args.batch, num_workers=0)
     parts = args.batch // 4
@@ -145,6 +156,7 @@ def main() -> None:
     p.add_argument("--save-dir", default=None)
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--model", choices=("tiny", "gpt"), default="tiny")
     p.add_argument("--nvme", default=None, help="offload the optimizer state to NVMe at this path")
     p.add_argument("--reference", action="store_true")
     args = p.parse_args()
