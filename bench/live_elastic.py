@@ -49,7 +49,7 @@ def _run_kill(tokens: Path, work: Path, mode: str, ref: Path) -> dict:
     out.mkdir()
     port = lj.free_port()
     args = ("--steps", str(STEPS), "--step-sleep", "0.1", "--save-dir", str(out / "ckpt"), "--save-every", "3")
-    agent = ("--elastic", mode)
+    agent = ("--elastic", mode, "--elastic_expiry", "1")  # the default expiry, as users get it
     a = lj.Node(port, tokens, out, "a", script_args=args, agent_args=agent).listening(port)
     b = lj.Node(port, tokens, out, "b", script_args=args, agent_args=agent)
     try:
@@ -72,7 +72,7 @@ def _run_join(tokens: Path, work: Path, ref: Path) -> dict:
     out.mkdir()
     port = lj.free_port()
     args = ("--steps", str(STEPS), "--model", "gpt")
-    env_wait = ("--elastic", "live")
+    env_wait = ("--elastic", "live", "--elastic_expiry", "1")
     a = lj.Node(port, tokens, out, "a", script_args=args, agent_args=env_wait).listening(port)
     try:
         lj.wait_for_step(out, 5, world=1, timeout=300)
@@ -101,8 +101,9 @@ def _run_mirror(tokens: Path, work: Path, every: int) -> float:
     out.mkdir()
     port = lj.free_port()
     args = ("--steps", "16", "--model", "gpt", "--mirror-every", str(every))
-    a = lj.Node(port, tokens, out, "a", script_args=args).listening(port)
-    b = lj.Node(port, tokens, out, "b", script_args=args)
+    agent = ("--elastic_expiry", "1")
+    a = lj.Node(port, tokens, out, "a", script_args=args, agent_args=agent).listening(port)
+    b = lj.Node(port, tokens, out, "b", script_args=args, agent_args=agent)
     assert a.wait(600) == 0 and b.wait(60) == 0, a.text()[-2000:]
     times = sorted(d["time"] for s, rs in lj.steps(out).items() for d in rs[:1] if s > 3)
     return statistics.median(y - x for x, y in zip(times, times[1:]))

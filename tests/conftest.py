@@ -61,7 +61,7 @@ def _turn(item: pytest.Item) -> Iterator[None]:
 # long file can start late and run on alone. Measured per file on 2 CPUs (seconds): resilience
 # 177, clients 131, launcher 51, examples 35, hf_trainer 32, lease 32, pipeline 30, planner 28,
 # config_corpus 28, harness 21. Only the order depends on this list, never an outcome.
-LONGEST_FIRST = ("test_resilience.py", "test_clients.py", "test_launcher.py", "test_examples.py",
+LONGEST_FIRST = ("test_resilience.py", "test_clients.py", "test_live_elastic.py", "test_launcher.py", "test_examples.py",
                  "test_hf_trainer.py", "test_lease.py", "test_pipeline.py", "test_planner.py",
                  "test_config_corpus.py", "test_harness.py")  # fmt: skip
 

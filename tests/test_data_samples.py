@@ -169,3 +169,26 @@ def test_the_loader_counts_what_it_hands_out_not_what_it_read_ahead(tmp_path):
     next(iter(threes))
     threes.set_epoch(0)  # never back
     assert threes.position == len(packed) // 3 * 3 + 3
+
+
+def test_an_iteration_in_progress_follows_a_reshape_and_a_position_moved_back(tmp_path):
+    """A live resize ([Note: membership epochs]): the loop's own iterator goes on from the
+    position the resize set, as the replica and micro-batch the new world gives."""
+    packed = PackedSamples(_dataset(tmp_path, [30] * 30), 4)
+    whole = [b["input_ids"] for b in _take(iter(GlobalBatches(packed, 8, seed=1, num_workers=0)), 12)]
+    loader = GlobalBatches(packed, 8, seed=1, num_workers=1)
+    it = iter(loader)
+    got = [next(it)["input_ids"] for _ in range(5)]
+    back = loader.state_dict() | {"global_sample": 8 * 4}  # the resize restored step 4: step 5 again
+    loader.reshape(0, 2, 4)  # replica 0 of 2, micro-batch 4: rows 0-3 of each global batch
+    loader.load_state_dict(back)
+    halves = [next(it)["input_ids"] for _ in range(3)]
+    assert all(torch.equal(g, w) for g, w in zip(got, whole))
+    assert all(torch.equal(h, w[:4]) for h, w in zip(halves, whole[4:]))
+    assert loader.position == 8 * 4 + 3 * 8 and loader.batch_size == 4
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        loader.reshape(2, 2, 4)
+
+
+def _take(it, n):
+    return [next(it) for _ in range(n)]

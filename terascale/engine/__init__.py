@@ -17,7 +17,11 @@ builds each of its parts from the objects that part uses, never from the engine 
 - ``Checkpointer`` (``checkpointing.py``): saves and loads all of the above;
 - ``Resilience`` (``resilience.py``): resume, interval and signal saves, the health
   monitors (through the checkpointer); ``Observer`` (``observe.py``): timers, the print
-  line, the profilers, traces.
+  line, the profilers, traces;
+- ``LiveElastic`` (``live.py``, only under the live elastic agent): resizes at step
+  boundaries in the running process. The parts above that depend on the world are built
+  by ``Engine._assemble``, which a resize calls again after ``resize.py`` rebuilt the model
+  state over the new groups ([Note: membership epochs]).
 
 Schedules that drive the phases themselves (``terascale.pipe.PipelineEngine``) are layers
 over the engine's public :meth:`Engine.forward`, :meth:`Engine.run_backward` and

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from terascale.checkpoint.manifest import parse_dtype
 from terascale.checkpoint.spans import BUFFER, OPTIM, OptimKey, SliceMode, Span
 from terascale.comm import DistributedContext, ops
 from terascale.config import Config
@@ -185,15 +186,21 @@ class LiveElastic:
             engine.dist, rank=dist.get_rank(), world_size=dist.get_world_size(), dp_group=dist.group.WORLD,
             dp_rank=dist.get_rank(), dp_world_size=dist.get_world_size(), carried_state=True,
         )  # fmt: skip
+        formed = time.perf_counter()
         rebuild_for(engine, ctx)
+        rebuilt = time.perf_counter()
         restored = self._adopt(engine, holdings)
+        engine._train.clear_window()  # the next micro-step starts a window of the new split
         record = {
             "kind": "grow" if planned else "fault",
             "epoch": epoch.number,
             "world": (old.world_size, epoch.world_size),
             "step": at_step,
             "restored_step": restored,
-            "decide_s": decided - started,
+            "decide_s": decided - started,  # capture (a planned resize) and agreeing on the members
+            "groups_s": formed - decided,
+            "rebuild_s": rebuilt - formed,
+            "adopt_s": time.perf_counter() - rebuilt,  # the spans moved and loaded, the mirror started
             "pause_s": time.perf_counter() - started,
         }
         self.resizes.append(record)
@@ -285,7 +292,7 @@ class LiveElastic:
         ops.all_gather_object(metas, [(h.owner, h.meta) for h in held], group=group)
         by_owner = {owner: meta for ranks in metas for owner, meta in ranks}
         meta = by_owner[min(by_owner)]
-        keys = {k.removeprefix(OPTIM): OptimKey(_dtype(v["dtype"]), bool(v["scalar"]))
+        keys = {k.removeprefix(OPTIM): OptimKey(parse_dtype(v["dtype"]), bool(v["scalar"]))
                 for k, v in meta["optim_keys"].items()}  # fmt: skip
         state, optimizer = engine._state, engine.optimizer
         demand = [s for chunk in state.state_slices(optimizer, SliceMode.LOAD, keys) for s in chunk]
@@ -295,7 +302,6 @@ class LiveElastic:
         for _chunk in state.state_slices(optimizer, SliceMode.LOAD, keys):
             pass
         engine._checkpointer._restore(meta["record"], optimizer=True, scheduler=True, data_position=True)
-        engine._train.clear_window()
         rank = engine.dist.rank
         if rank in by_owner:
             set_rng_state(by_owner[rank]["rng"])
@@ -341,7 +347,3 @@ def _newest_complete(every: list) -> int | None:
     return None
 
 
-def _dtype(name: str) -> torch.dtype:
-    from terascale.checkpoint.manifest import parse_dtype
-
-    return parse_dtype(name)
