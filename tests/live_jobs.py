@@ -145,6 +145,23 @@ def wait_for_step(out: Path, step: int, timeout: float = 120.0, world: int | Non
     raise TimeoutError(f"no rank logged step {step} within {timeout:.0f} s")
 
 
+def stop_at(out: Path, step: int) -> None:
+    """Make the job of ``out`` (run with ``--stop-file OUT/stop``) end after ``step``."""
+    (out / "stop.tmp").write_text(str(step))
+    os.replace(out / "stop.tmp", out / "stop")
+
+
+def wait_for_pid_step(out: Path, world: int, after: float, exclude: set[int], timeout: float = 150.0) -> None:
+    """Wait until a process not in ``exclude`` logs a step at ``world`` after the time ``after``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(d["world"] == world and d["time"] > after and d["pid"] not in exclude
+               for records in steps(out).values() for d in records):  # fmt: skip
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"no new process stepped at world {world} within {timeout:.0f} s")
+
+
 def reference(data: Path, out: Path, steps_: int, batch: int = 8) -> None:
     """Plain PyTorch on the job's global batches (``batch`` samples a step), in one process."""
     subprocess.run([sys.executable, str(SCRIPT), "--reference", "--data", str(data), "--out", str(out),

@@ -27,7 +27,7 @@ from terascale.elastic.mirror import ring_peers
 from terascale.elastic.spans import PackedState, _plan
 
 STEPS = 40
-SLEEP = "0.1"  # per step: a fault injected after step N lands a few steps later at most
+SLEEP = "0.05"  # per step: a fault injected after step N lands a few steps later at most
 RTOL = 1e-5
 
 
@@ -56,35 +56,44 @@ def _pids_at(out: Path, world: int) -> set[int]:
     return {d["pid"] for records in lj.steps(out).values() for d in records if d["world"] == world}
 
 
-def test_node_killed_survivor_keeps_its_process_and_rejoin_grows_back(tokens: Path, reference: dict, tmp_path: Path) -> None:
+def _finish(out: Path, nodes: list, tokens: Path) -> Path:
+    """Stop the job a few steps on, wait for it, and train plain PyTorch as far."""
+    last = max(lj.steps(out)) + 5
+    lj.stop_at(out, last)
+    for n in nodes:
+        assert n.wait(180) == 0, n.text()[-3000:]
+    ref = out.parent / "reference"
+    lj.reference(tokens, ref, last, 8)
+    return ref
+
+
+def test_node_killed_survivor_keeps_its_process_and_rejoin_grows_back(tokens: Path, tmp_path: Path) -> None:
     out, port = tmp_path / "run", lj.free_port()
     out.mkdir()
-    args = ("--steps", str(STEPS), "--step-sleep", SLEEP, "--stage", "3")
+    args = ("--steps", "100000", "--stop-file", str(out / "stop"), "--step-sleep", SLEEP, "--stage", "3")
     a = lj.Node(port, tokens, out, "a", script_args=args).listening(port)
     b = lj.Node(port, tokens, out, "b", script_args=args)
     lj.wait_for_step(out, 8, world=2)
     killed = b.kill()
-    first = lj.wait_for_step(out, 0, world=1, after=killed)
-    assert first - killed < 10, "the survivor took too long to step alone"  # the benchmark measures it
+    lj.wait_for_step(out, 0, world=1, after=killed)
+    survivors = _pids_at(out, 1)
     b = lj.Node(port, tokens, out, "b2", script_args=args)
-    assert a.wait(180) == 0 and b.wait(60) == 0, a.text()[-3000:] + b.text()[-3000:]
-    _check_against(out, reference[8])
+    lj.wait_for_pid_step(out, 2, after=killed, exclude=survivors | _pids_at(out, 2))
+    _check_against(out, _finish(out, [a, b], tokens))
     kinds = [(r["kind"], tuple(r["world"])) for r in lj.resizes(out)]
     assert ("fault", (2, 1)) in kinds and ("grow", (1, 2)) in kinds, kinds
     # The survivor is one process throughout: it trained at world 2, then 1, then 2.
-    survivors = _pids_at(out, 1)
     assert len(survivors) == 1 and survivors <= _pids_at(out, 2)
     assert "continuing from step" in a.text() and "restart path" not in a.text()
     # The mirror's host memory is reported: two own snapshots and two of the peer's shards.
     memory = json.loads((out / f"memory-{next(iter(survivors))}.json").read_text())
-    assert memory["elastic_mirror"] >= 2 * memory["optimizer_state"] > 0
+    assert memory["elastic_mirror_peak"] >= 2 * memory["optimizer_state"] > 0
 
 
-def test_a_paused_node_is_dropped_then_fenced_and_rejoins_as_a_new_member(tokens: Path, reference: dict,
-                                                                          tmp_path: Path) -> None:  # fmt: skip
+def test_a_paused_node_is_dropped_then_fenced_and_rejoins_as_a_new_member(tokens: Path, tmp_path: Path) -> None:
     out, port = tmp_path / "run", lj.free_port()
     out.mkdir()
-    args = ("--steps", str(STEPS + 20), "--step-sleep", SLEEP)
+    args = ("--steps", "100000", "--stop-file", str(out / "stop"), "--step-sleep", SLEEP)
     agent = ("--elastic_timeout", "3")
     a = lj.Node(port, tokens, out, "a", script_args=args, agent_args=agent).listening(port)
     b = lj.Node(port, tokens, out, "b", script_args=args, agent_args=agent)
@@ -94,14 +103,10 @@ def test_a_paused_node_is_dropped_then_fenced_and_rejoins_as_a_new_member(tokens
     b.signal_ranks(signal.SIGSTOP)
     lj.wait_for_step(out, 0, world=1, after=stopped)  # the collective timed out: the job went on without it
     b.signal_ranks(signal.SIGCONT)
-    assert a.wait(180) == 0 and b.wait(60) == 0, a.text()[-3000:] + b.text()[-3000:]
+    # The paused process never trains again; a new process of node b does, at world 2.
+    lj.wait_for_pid_step(out, 2, after=stopped, exclude=before)
+    _check_against(out, _finish(out, [a, b], tokens))
     assert "is not in epoch" in b.text() and "starting it again as a new member" in b.text()
-    ref = tmp_path / "reference"
-    lj.reference(tokens, ref, STEPS + 20, 8)
-    _check_against(out, ref)
-    # The paused process never trained again; a new process of node b did, at world 2.
-    late = {d["pid"] for s, records in lj.steps(out).items() for d in records if d["world"] == 2 and s > 12}
-    assert late and not late <= before
 
 
 def test_both_holders_of_a_shard_lost_falls_back_to_the_checkpoint_in_the_same_process(
@@ -123,6 +128,7 @@ def test_both_holders_of_a_shard_lost_falls_back_to_the_checkpoint_in_the_same_p
     assert len(_pids_at(out, 1) | _pids_at(out, 3)) == 3  # a's process trained on at world 1
 
 
+@pytest.mark.slow  # make test-all: keeps make test within its budget (the path is torchrun's restart, tested there)
 def test_the_restart_path_is_taken_for_a_layout_that_cannot_resize_live(tokens: Path, reference: dict,
                                                                         tmp_path: Path) -> None:  # fmt: skip
     out, port = tmp_path / "run", lj.free_port()

@@ -86,7 +86,13 @@ def train(args: argparse.Namespace) -> None:
     log = open(out / f"steps-{pid}.jsonl", "a", buffering=1)
     hashes: list[str] = []
     losses: list[float] = []
-    while engine.global_steps < args.steps:
+    mirror_peak = 0
+
+    def last_step() -> int:  # --stop-file: the driver writes the final step once, ahead of every rank
+        stop = Path(args.stop_file) if args.stop_file else None
+        return int(stop.read_text()) if stop is not None and stop.exists() else args.steps
+
+    while engine.global_steps < last_step():
         for batch in loader:
             before = engine.global_steps
             hashes += [row_hash(r) for r in batch["input_ids"]]
@@ -99,11 +105,12 @@ def train(args: argparse.Namespace) -> None:
                                       "epoch": loader.epoch, "time": time.time(), "samples": hashes,
                                       "loss": sum(losses) / max(len(losses), 1)}) + "\n")  # fmt: skip
                 hashes, losses = [], []
+                mirror_peak = max(mirror_peak, engine.memory_breakdown()["elastic_mirror"])
                 if args.step_sleep:
                     time.sleep(args.step_sleep)
             elif engine.micro_steps % engine.gradient_accumulation_steps() == 0:
                 hashes, losses = [], []  # a window a fault interrupted (or restored): not applied
-            if engine.global_steps >= args.steps:
+            if engine.global_steps >= last_step():
                 break
     engine.wait_for_checkpoint()
     state = engine.full_state_dict()
@@ -111,7 +118,7 @@ def train(args: argparse.Namespace) -> None:
         torch.save(state, out / "final.pt")
     live = engine._live
     (out / f"resizes-{pid}.json").write_text(json.dumps(live.resizes if live is not None else []))
-    (out / f"memory-{pid}.json").write_text(json.dumps(engine.memory_breakdown()))
+    (out / f"memory-{pid}.json").write_text(json.dumps({**engine.memory_breakdown(), "elastic_mirror_peak": mirror_peak}))
     engine.destroy()
 
 
@@ -156,6 +163,7 @@ def main() -> None:
     p.add_argument("--save-dir", default=None)
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--stop-file", default=None, help="a file that, once written, holds the final step")
     p.add_argument("--model", choices=("tiny", "gpt"), default="tiny")
     p.add_argument("--nvme", default=None, help="offload the optimizer state to NVMe at this path")
     p.add_argument("--reference", action="store_true")
