@@ -124,11 +124,14 @@ class Mirror:
         self._spare = reusable[-2:]
         return PackedState.empty(pieces, pin=self._pin)
 
+    def due(self, step: int) -> bool:
+        """Whether the state after ``step`` is snapshotted (every ``every`` steps)."""
+        return self.every > 0 and step % self.every == 0
+
     def refresh(self, step: int, slices: list[tuple[Span, torch.Tensor]], meta: dict[str, Any]) -> None:
         """Start snapshotting ``slices`` (this rank's state after ``step``) and swapping it
-        with the peers, in the background; every ``every`` steps only."""
-        if self.every <= 0 or step % self.every:
-            return
+        with the peers, in the background (:meth:`due` steps only)."""
+        assert self.due(step), step
         self.wait()
         own = self._buffer(PackedState.layout(slices), self.own)
         self._thread = threading.Thread(target=self._run, args=(step, slices, meta, own), name="terascale-mirror",

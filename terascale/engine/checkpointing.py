@@ -106,6 +106,22 @@ class Checkpointer:
             if self._leases is not None:
                 self._leases.release()
 
+    def hand_over(self, successor: Checkpointer, keeps_writing: bool) -> None:
+        """Close this checkpointer in favour of ``successor`` (a live resize built it over
+        the new groups): a save the resize interrupted is given up (the earlier
+        checkpoints stand), and this process's leases go to ``successor`` if it still
+        writes for the job (``keeps_writing``: rank 0), else are released."""
+        try:
+            self.wait()
+        except Exception:  # noqa: BLE001 - the save's collectives broke with the old groups
+            pass
+        leases, self._leases = self._leases, None
+        self.close()
+        if leases is not None and keeps_writing:
+            successor._leases = leases
+        elif leases is not None:
+            leases.release()
+
     def _lease_set(self) -> LeaseSet | None:
         """(Rank 0) the leases of the directories this job writes; None with leases off."""
         options = self._config.checkpoint.lease
@@ -458,7 +474,7 @@ class Checkpointer:
             buffers={},
             optim_keys={},
             files=[],
-            engine=self._training_record(),
+            engine=self.training_record(),
             config=self._config.model_dump(mode="json", by_alias=True, exclude_unset=True),
             extra=extra,
         )
@@ -526,7 +542,7 @@ class Checkpointer:
             for name, b in buffers.items():
                 reader.read_into(Span(BUFFER, name, 0, b.numel()), b.data)
         if not load_module_only:
-            self._restore(m.engine, optimizer=with_optim, scheduler=load_lr_scheduler_states,
+            self.restore_record(m.engine, optimizer=with_optim, scheduler=load_lr_scheduler_states,
                           data_position=data_position)  # fmt: skip
             rank = dist.get_rank()
             if rank < len(m.rng):
@@ -564,7 +580,7 @@ class Checkpointer:
 
     # -- the training record -------------------------------------------------------------------
 
-    def _training_record(self) -> dict[str, Any]:
+    def training_record(self) -> dict[str, Any]:
         """What a checkpoint keeps besides tensors, in the manifest's ``engine`` entry: the
         train state's counters (at its top level, as checkpoints always had them), the loss
         scaler, the LR scheduler, the optimizer's options and the data position."""
@@ -583,8 +599,8 @@ class Checkpointer:
             "sampler": self._data.state_dict(),
         }
 
-    def _restore(self, record: dict[str, Any], *, optimizer: bool, scheduler: bool, data_position: bool) -> None:
-        """Restore :meth:`_training_record`'s ``record``; the optimizer's options, the
+    def restore_record(self, record: dict[str, Any], *, optimizer: bool, scheduler: bool, data_position: bool) -> None:
+        """Restore :meth:`training_record`'s ``record``; the optimizer's options, the
         scheduler and the data position only where asked."""
         self._train.load_state_dict(record)
         self._loss_scaler.load_state_dict(record["loss_scaler"])

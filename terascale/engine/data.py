@@ -88,15 +88,6 @@ class DataPosition:
         if state is not None and hasattr(sampler, "load_state_dict"):
             sampler.load_state_dict(state)
 
-    def reshape(self, rank: int, world: int, micro_batch_size: int) -> bool:
-        """Make the loader replica ``rank`` of ``world`` with ``micro_batch_size`` samples
-        per micro-batch (a live resize); False for a loader that cannot (a DataLoader's
-        batch size is fixed), whose sample order a resize then does not keep."""
-        if isinstance(self.loader, GlobalBatches):
-            self.loader.reshape(rank, world, micro_batch_size)
-            return True
-        return self.loader is None
-
 
 def build_dataloader(
     dataset: Dataset,

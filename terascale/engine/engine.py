@@ -39,9 +39,10 @@ from terascale.engine.optimizer import (
     engine_scheduler,
     step_in_backward,
 )
-from terascale.engine.parallel import join_model_parallel
+from terascale.engine.parallel import ParallelLayout, join_model_parallel
 from terascale.engine.prepare import PreparedModel
-from terascale.engine.live import live_elastic
+from terascale.engine.live import LiveElastic, live_elastic
+from terascale.engine.resize import readopt_optimizer, rebuild_model_state
 from terascale.engine.resilience import Resilience
 from terascale.engine.train_state import TrainCounter, TrainState, WindowState
 from terascale.errors import UsageError
@@ -91,7 +92,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._data = DataPosition(training_dataloader)
         self._live = live_elastic(config, dist_ctx)  # None unless a live elastic agent started this rank
         self._assemble(dist_ctx)
-        if self._live is None or not self._live.adopt_state(self, fresh=True):
+        if self._live is None or not self._live.adopt_state(self):
             self._resilience.auto_resume()  # save_dir's lease; with checkpoint.auto_resume, the newest checkpoint
         _LIVE.add(self)  # for DeepSpeed's per-parameter functions (safe_get_full_grad(param))
 
@@ -128,6 +129,20 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
             [p for p in self.module.parameters() if p.requires_grad],
         )  # fmt: skip
 
+    def rebuild(self, dist_ctx: DistributedContext) -> None:
+        """Build the model state, layout and world-dependent parts again over ``dist_ctx``'s
+        groups (a live resize, [Note: membership epochs]; the old groups are gone). The
+        optimizer and scheduler objects stay; the state's values are the caller's to load."""
+        self._layout, self._state = rebuild_model_state(self.module, self._state, self._param_groups, self.config,
+                                                        dist_ctx, self.precision, self._wrap)  # fmt: skip
+        if self.optimizer is not None:
+            readopt_optimizer(self.optimizer, self._state)
+        old = self._checkpointer
+        for part in (self._resilience, self._observe, self._reporter):
+            part.close()
+        self._assemble(dist_ctx)
+        old.hand_over(self._checkpointer, keeps_writing=dist_ctx.rank == 0)
+
     # -- properties a training script reads ------------------------------------------------
 
     @property
@@ -151,6 +166,26 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
     def model_state(self) -> ModelState:
         """Where the parameters, gradients and fp32 masters live (``[Note: model state]``)."""
         return self._state
+
+    @property
+    def live_elastic(self) -> LiveElastic | None:
+        """The live elasticity of a rank the live elastic agent started (its ``resizes``
+        record each one), else None."""
+        return self._live
+
+    @property
+    def parallel_layout(self) -> ParallelLayout:
+        """Who counts which gradient under model parallelism, and the expert groups."""
+        return self._layout
+
+    def training_record(self) -> dict[str, Any]:
+        """What a checkpoint keeps besides tensors: counters, loss scale, scheduler,
+        optimizer options, the data position (a live resize carries it in memory)."""
+        return self._checkpointer.training_record()
+
+    def restore_training_record(self, record: dict[str, Any]) -> None:
+        """Restore a :meth:`training_record` whole (a live resize)."""
+        self._checkpointer.restore_record(record, optimizer=True, scheduler=True, data_position=True)
 
     @property
     def train_state(self) -> TrainState:

@@ -17,7 +17,7 @@ calls at four points:
   receives its state from the running ranks instead of resuming from a checkpoint.
 
 A resize (:meth:`_resize`) leaves the old groups, forms the new ones, rebuilds the
-model state (:func:`terascale.engine.resize.rebuild_for`) and fills it from the spans
+model state (:meth:`Engine.rebuild`) and fills it from the spans
 the members hold ([Note: state moves as spans]); the training record (counters, loss
 scale, LR scheduler, optimizer options, the data position) comes with them, so the job
 consumes the same global sample sequence whatever the resizes. Layouts this cannot
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from terascale.checkpoint.manifest import parse_dtype
-from terascale.checkpoint.spans import BUFFER, OPTIM, OptimKey, SliceMode, Span
+from terascale.checkpoint.spans import OPTIM, OptimKey, SliceMode, Span
 from terascale.comm import DistributedContext, ops
 from terascale.config import Config
 from terascale.config.elasticity import plan_elastic
@@ -49,8 +49,8 @@ from terascale.elastic.membership import Epoch, FencedError, Membership
 from terascale.elastic.mirror import Mirror, Snapshot
 from terascale.elastic.spans import PackedState, exchange
 from terascale.elastic.world import collective_timeout, init_epoch_group, leave_epoch_group
-from terascale.engine.checkpoint_records import optim_keys, persistent_buffers, rng_state, set_rng_state
-from terascale.engine.resize import rebuild_for
+from terascale.data.loader import GlobalBatches
+from terascale.engine.checkpoint_records import buffer_slices, optim_keys, rng_state, set_rng_state
 from terascale.optim.onebit import ReducesOwnGradients
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ def live_blockers(engine: Engine) -> list[str]:
     out = []
     if ctx.mp_world_size > 1 or ctx.pp_world_size > 1 or ctx.sp_world_size > 1:
         out.append("tensor, pipeline or sequence parallelism (their groups are rebuilt by a restart)")
-    if engine._layout.experts.groups:
+    if engine.parallel_layout.experts.groups:
         out.append("expert parallelism")
     zero = config.zero_optimization
     for name, tier in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param)):
@@ -133,8 +133,9 @@ class LiveElastic:
         if after is not None and step >= after:
             self._resize(engine, planned=True)
             return
-        if self.mirror is not None:
-            self.mirror.refresh(step, self._own_slices(engine), self._meta(engine))
+        if self.mirror is not None and self.mirror.due(step):
+            slices = self._own_slices(engine)
+            self.mirror.refresh(step, slices, self._meta(engine, slices))
         if engine.dist.rank == 0 and after is None and time.monotonic() >= self._next_join_check:
             self._next_join_check = time.monotonic() + JOIN_CHECK_S
             joiners = m.pending_joiners()
@@ -162,7 +163,7 @@ class LiveElastic:
         if planned:
             if self.mirror is not None:
                 self.mirror.wait()  # its thread uses the old groups
-            holdings = [self._capture(engine, old.rank_of(m.id), old.world_size)]
+            holdings = [self._capture(engine, old.rank_of(m.id))]
         # Leave the old groups first: a refresh blocked on a lost peer fails at once then.
         leave_epoch_group()
         if not planned:
@@ -187,10 +188,10 @@ class LiveElastic:
             dp_rank=dist.get_rank(), dp_world_size=dist.get_world_size(), carried_state=True,
         )  # fmt: skip
         formed = time.perf_counter()
-        rebuild_for(engine, ctx)
+        engine.rebuild(ctx)
         rebuilt = time.perf_counter()
         restored = self._adopt(engine, holdings)
-        engine._train.clear_window()  # the next micro-step starts a window of the new split
+        engine.train_state.clear_window()  # the next micro-step starts a window of the new split
         record = {
             "kind": "grow" if planned else "fault",
             "epoch": epoch.number,
@@ -225,12 +226,12 @@ class LiveElastic:
         self.membership.leave_for_restart()
         sys.exit(EXIT_RESTART)
 
-    def adopt_state(self, engine: Engine, fresh: bool) -> bool:
+    def adopt_state(self, engine: Engine) -> bool:
         """At the end of construction: set up the mirror and, for a rank that joined a
         running job, take the state from the running ranks (True: nothing to resume)."""
         self.blockers = live_blockers(engine)
-        loader = engine._data.loader
-        if hasattr(loader, "worker_context"):
+        loader = engine.training_dataloader
+        if isinstance(loader, GlobalBatches):
             loader.worker_context = _fork_server()
         if self.blockers:
             logger.warning("elastic: resizes of this job take the restart path: %s", "; ".join(self.blockers))
@@ -251,25 +252,25 @@ class LiveElastic:
     # -- the state ---------------------------------------------------------------------------
 
     def _own_slices(self, engine: Engine) -> list[tuple[Span, torch.Tensor]]:
-        state, optimizer = engine._state, engine.optimizer
-        slices = [s for chunk in state.state_slices(optimizer, SliceMode.SAVE) for s in chunk]
-        slices += [(Span(BUFFER, n, 0, b.numel()), b.data) for n, b in persistent_buffers(engine.module).items()]
-        return slices
+        state = engine.model_state
+        return [s for chunk in state.state_slices(engine.optimizer, SliceMode.SAVE) for s in chunk] + buffer_slices(
+            engine.module
+        )
 
-    def _meta(self, engine: Engine) -> dict[str, Any]:
-        described = [s for c in engine._state.state_slices(engine.optimizer, SliceMode.DESCRIBE) for s in c]
+    def _meta(self, engine: Engine, slices: list[tuple[Span, torch.Tensor]]) -> dict[str, Any]:
+        """What a snapshot of ``slices`` (this rank's, now) carries besides tensors."""
         return {
-            "record": engine._checkpointer._training_record(),
+            "record": engine.training_record(),
             "rng": rng_state(),
             "world": engine.dist.world_size,
-            "optim_keys": optim_keys(described),
+            "optim_keys": optim_keys(slices),
         }
 
-    def _capture(self, engine: Engine, rank: int, world: int) -> Snapshot:
+    def _capture(self, engine: Engine, rank: int) -> Snapshot:
         slices = self._own_slices(engine)
         packed = PackedState.empty(PackedState.layout(slices))
         packed.fill(slices)
-        return Snapshot(rank, engine.global_steps, packed, self._meta(engine))
+        return Snapshot(rank, engine.global_steps, packed, self._meta(engine, slices))
 
     def _adopt(self, engine: Engine, holdings: list[Snapshot]) -> int | None:
         """(Collective over the new epoch.) Fill ``engine``'s new state from the members'
@@ -279,8 +280,10 @@ class LiveElastic:
         every: list = [None] * dist.get_world_size()
         ops.all_gather_object(every, mine, group=group)
         step = _newest_complete(every)
-        data = engine._data
-        if not data.reshape(engine.dist.dp_rank, engine.dist.dp_world_size, engine.micro_batch_size):
+        loader = engine.training_dataloader
+        if isinstance(loader, GlobalBatches):
+            loader.reshape(engine.dist.dp_rank, engine.dist.dp_world_size, engine.micro_batch_size)
+        elif loader is not None:
             logger.warning("elastic: the training loader is not terascale.data's: after a resize its samples "
                            "are not the undisturbed run's (build it with initialize(training_data=...))")  # fmt: skip
         if step is None:
@@ -294,14 +297,14 @@ class LiveElastic:
         meta = by_owner[min(by_owner)]
         keys = {k.removeprefix(OPTIM): OptimKey(parse_dtype(v["dtype"]), bool(v["scalar"]))
                 for k, v in meta["optim_keys"].items()}  # fmt: skip
-        state, optimizer = engine._state, engine.optimizer
+        state, optimizer = engine.model_state, engine.optimizer
         demand = [s for chunk in state.state_slices(optimizer, SliceMode.LOAD, keys) for s in chunk]
-        demand += [(Span(BUFFER, n, 0, b.numel()), b.data) for n, b in persistent_buffers(engine.module).items()]
+        demand += buffer_slices(engine.module)
         exchange([h.state for h in held], demand, group)
         # A second pass writes the loaded masters into the parameters (and gathers them).
         for _chunk in state.state_slices(optimizer, SliceMode.LOAD, keys):
             pass
-        engine._checkpointer._restore(meta["record"], optimizer=True, scheduler=True, data_position=True)
+        engine.restore_training_record(meta["record"])
         rank = engine.dist.rank
         if rank in by_owner:
             set_rng_state(by_owner[rank]["rng"])
@@ -318,8 +321,7 @@ class LiveElastic:
             )
         logger.warning("elastic: no step is held whole in memory (a rank and the peer mirroring it were both lost); "
                        "falling back to the last checkpoint in %s, in the same processes", save_dir)  # fmt: skip
-        path, _ = engine._checkpointer.load(save_dir, None, load_optimizer_states=True,
-                                            load_lr_scheduler_states=True, load_module_only=False)  # fmt: skip
+        path, _ = engine.load_checkpoint(save_dir)
         if path is None:
             raise RuntimeError(f"elastic: no checkpoint in {save_dir} to fall back to: the job cannot continue")
 

@@ -4,8 +4,8 @@ A live resize ([Note: membership epochs]) keeps the user's module, its preparati
 (precision, activation checkpointing, wrapping) and the engine's optimizer and scheduler
 objects; what depends on the world is built again, by the functions that built it the
 first time: the model state over the new data-parallel group (step 6 of [Note: the
-order of model preparation]), the parallel layout, and the engine's parts
-(``Engine._assemble``). The optimizer object adopts the new state's masters and starts
+order of model preparation]) and the parallel layout (here), and the engine's parts
+(``Engine.rebuild``, which calls these). The optimizer object adopts the new state's masters and starts
 with empty state, which the resize then fills from the peers' spans.
 
 At stage 3 the module's parameters hold no data once sharded, so the new state takes
@@ -15,19 +15,19 @@ for values: the resize overwrites every master (and so every parameter) afterwar
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from terascale.comm import DistributedContext
-from terascale.engine.model_state import adopt_optimizer
+from terascale.config import Config
+from terascale.engine.model_state import ModelState, adopt_optimizer
 from terascale.engine.parallel import ParallelLayout
+from terascale.engine.precision import PrecisionPolicy
 from terascale.engine.prepare import build_model_state
+from terascale.zero import WrapPolicy
 from terascale.zero.gather import owner_of, register_owner
-
-if TYPE_CHECKING:
-    from terascale.engine.engine import Engine
 
 
 class _Reshaping:
@@ -58,41 +58,34 @@ def full_shapes(module: nn.Module) -> dict[int, torch.Size]:
     return out
 
 
-def rebuild_for(engine: Engine, dist_ctx: DistributedContext) -> None:
-    """Give ``engine`` a model state, layout and parts over ``dist_ctx``'s groups (the
-    old ones are gone). The state's values are not set: the caller loads them."""
-    module, config = engine.module, engine.config
+def rebuild_model_state(
+    module: nn.Module,
+    old: ModelState,
+    param_groups: Sequence[dict],
+    config: Config,
+    dist_ctx: DistributedContext,
+    precision: PrecisionPolicy,
+    wrap: WrapPolicy | None,
+) -> tuple[ParallelLayout, ModelState]:
+    """The parallel layout and a model state of ``module`` over ``dist_ctx``'s groups, in
+    place of ``old`` (whose groups are gone). The state's values are not set: the caller
+    loads them."""
     shapes = full_shapes(module)
     sharded = [p for p in module.parameters() if p.numel() != shapes[id(p)].numel()]
-    engine._state.remove_hooks()
+    old.remove_hooks()
     if sharded:
         register_owner(sharded, _Reshaping(shapes, dist_ctx.device))
     layout = ParallelLayout.build(module, dist_ctx, None)
-    state = build_model_state(module, engine._param_groups, config, dist_ctx, engine.precision,
-                              engine._wrap, layout.classes, None)  # fmt: skip
-    engine._layout, engine._state = layout, state
-    optimizer = engine.optimizer
-    if optimizer is not None:
-        adopt_optimizer(optimizer, state.optimizer_param_groups())
-        optimizer.state.clear()
-        state.check_optimizer(optimizer)
-        offload = getattr(state, "parameter_offload", None)
-        if offload is not None:
-            optimizer.parameter_offload = offload
-    # The parts built over the old world: closed, then built again.
-    old_checkpointer = engine._checkpointer
-    try:
-        old_checkpointer.wait()
-    except Exception:  # noqa: BLE001 - a save the fault interrupted: the earlier checkpoints stand
-        pass
-    leases = old_checkpointer._leases
-    old_checkpointer._leases = None
-    old_checkpointer.close()
-    engine._resilience.close()
-    engine._observe.close()
-    engine._reporter.close()
-    engine._assemble(dist_ctx)
-    if leases is not None and dist_ctx.rank == 0:
-        engine._checkpointer._leases = leases  # this process still writes for the job
-    elif leases is not None:
-        leases.release()
+    state = build_model_state(module, param_groups, config, dist_ctx, precision, wrap, layout.classes, None)
+    return layout, state
+
+
+def readopt_optimizer(optimizer: torch.optim.Optimizer, state: ModelState) -> None:
+    """Point ``optimizer`` (the engine's, kept through a resize) at ``state``'s masters,
+    with empty state for the resize to fill."""
+    adopt_optimizer(optimizer, state.optimizer_param_groups())
+    optimizer.state.clear()
+    state.check_optimizer(optimizer)
+    offload = getattr(state, "parameter_offload", None)
+    if offload is not None:
+        optimizer.parameter_offload = offload

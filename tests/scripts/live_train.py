@@ -116,7 +116,7 @@ def train(args: argparse.Namespace) -> None:
     state = engine.full_state_dict()
     if engine.dist.rank == 0:
         torch.save(state, out / "final.pt")
-    live = engine._live
+    live = engine.live_elastic
     (out / f"resizes-{pid}.json").write_text(json.dumps(live.resizes if live is not None else []))
     (out / f"memory-{pid}.json").write_text(json.dumps({**engine.memory_breakdown(), "elastic_mirror_peak": mirror_peak}))
     engine.destroy()
