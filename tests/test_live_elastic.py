@@ -10,6 +10,7 @@ path the engine took (its resize records and log lines).
 
 from __future__ import annotations
 
+import datetime
 import json
 import signal
 import threading
@@ -198,3 +199,20 @@ def test_mirrors_go_to_the_same_index_on_the_next_node() -> None:
 def test_epoch_round_trips_through_json() -> None:
     e = Epoch(3, ("x/1", "y/2"), ("x", "y"), ("x/1",))
     assert Epoch.from_json(e.to_json()) == e and e.rank_of("y/2") == 1
+
+
+def test_an_agent_starts_no_rank_again_once_the_job_is_over() -> None:
+    # A rank that fails after the store's host closed the job (or after that host ended) is
+    # not started again: there is no job left to join, and a new rank would wait for a store
+    # that is gone (the suite once hung on exactly that).
+    from terascale.elastic.agent import _job_over
+
+    store = dist.TCPStore("127.0.0.1", lj.free_port(), is_master=True, wait_for_workers=False)
+    assert not _job_over(store, "job")
+    dist.PrefixStore("terascale/elastic/job/", store).set("closed", "1")
+    assert _job_over(store, "job")
+    port = lj.free_port()
+    host = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    del host  # the store's host ended
+    assert _job_over(client, "job")

@@ -103,13 +103,14 @@ def run(args: argparse.Namespace) -> int:
                 if rc == 0 or stopping:
                     code = code or rc
                     continue
-                if restarts > 0:
+                if restarts > 0 and not _job_over(store, args.run_id):
                     restarts -= 1
                     print(f"terascale: local rank {r} exited with {rc}; starting it again as a new member "
                           f"({restarts} restart(s) left)", file=sys.stderr, flush=True)  # fmt: skip
                     workers[r] = _start(command, env, r, args.nproc)
                 else:
-                    print(f"terascale: local rank {r} exited with {rc} and no restarts are left", file=sys.stderr,
+                    why = "no restarts are left" if restarts <= 0 else "the job is over"
+                    print(f"terascale: local rank {r} exited with {rc} and {why}", file=sys.stderr,
                           flush=True)  # fmt: skip
                     code = rc
                     for other in workers.values():
@@ -121,6 +122,17 @@ def run(args: argparse.Namespace) -> int:
     if hosting:
         _serve_until_done(store, args.run_id)
     return code
+
+
+def _job_over(store, run_id: str) -> bool:
+    """Whether the job ended (a rank that fails then is not started again: there is
+    nothing left to join, and the store's host may be gone)."""
+    import torch.distributed as dist
+
+    try:
+        return dist.PrefixStore(f"terascale/elastic/{run_id}/", store).check(["closed"])
+    except Exception:  # noqa: BLE001 - the store is unreachable: its host ended the job (or died)
+        return True
 
 
 def _serve_until_done(store, run_id: str) -> None:

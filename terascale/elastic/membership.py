@@ -135,7 +135,10 @@ class Membership:
         self._members_known = 0
         self._stop = threading.Event()
         self._beat_count = 0
-        self._beats = threading.Thread(target=self._beat, name="terascale-heartbeat", daemon=True)
+        # Not a daemon: a daemon thread inside a store call when the interpreter finalizes
+        # aborts the process ("terminate called without an active exception"). It ends
+        # with the main thread instead (or at close).
+        self._beats = threading.Thread(target=self._beat, name="terascale-heartbeat")
         self.store.set(f"node/{self.id}", node)
         self._beat_once()
         self._beats.start()
@@ -146,14 +149,18 @@ class Membership:
         self.store.add(f"hb/{self.id}", 1)
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.timing.interval):
+        main = threading.main_thread()
+        while not self._stop.wait(self.timing.interval) and main.is_alive():
             try:
                 self._beat_once()
             except Exception:  # the store is gone: the job is over or its host died
                 return
 
     def close(self) -> None:
+        """Stop beating (others see this member gone after the expiry)."""
         self._stop.set()
+        if self._beats.is_alive() and self._beats is not threading.current_thread():
+            self._beats.join()
 
     def counters(self, members: Sequence[str]) -> list[int]:
         return [self.store.add(f"hb/{m}", 0) for m in members]
@@ -378,5 +385,8 @@ class Membership:
 
     def leave(self) -> None:
         """This process is done (its training finished): stop beating, say so."""
-        self.store.set(f"left/{self.id}", "1")
+        try:
+            self.store.set(f"left/{self.id}", "1")
+        except Exception:  # noqa: BLE001 - the store's host already ended the job
+            pass
         self.close()

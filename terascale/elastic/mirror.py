@@ -134,8 +134,9 @@ class Mirror:
         assert self.due(step), step
         self.wait()
         own = self._buffer(PackedState.layout(slices), self.own)
-        self._thread = threading.Thread(target=self._run, args=(step, slices, meta, own), name="terascale-mirror",
-                                        daemon=True)  # fmt: skip
+        # Not a daemon: the interpreter's exit waits for the refresh in flight (bounded by the
+        # collective timeout), as a daemon thread inside gloo at finalization aborts the process.
+        self._thread = threading.Thread(target=self._run, args=(step, slices, meta, own), name="terascale-mirror")
         self._thread.start()
 
     def _run(self, step: int, slices: list, meta: dict, own: PackedState) -> None:

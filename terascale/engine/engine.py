@@ -632,11 +632,13 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         return self._observe.timers
 
     def destroy(self) -> None:
-        """Finish a checkpoint save in flight, remove hooks and close monitors (the engine
-        is unusable afterwards)."""
+        """Finish a checkpoint save in flight, remove hooks and close monitors; a rank of a
+        live elastic job leaves it (the engine is unusable afterwards)."""
         self._checkpointer.close()
         self._resilience.close()
         self._observe.close()
         self._state.remove_hooks()
         self.activations.close()
         self._reporter.close()
+        if self._live is not None:
+            self._live.close()

@@ -149,6 +149,15 @@ class LiveElastic:
         step held in memory (or the last checkpoint)."""
         self._resize(engine, planned=False)
 
+    def close(self) -> None:
+        """Training is over: finish the refresh in flight (the peers run the same one), say
+        this member is done and leave the epoch's groups (the job's, made here)."""
+        if self.mirror is not None:
+            self.mirror.wait()
+            self.mirror = None
+        self.membership.leave()
+        leave_epoch_group()
+
     # -- resizing --------------------------------------------------------------------------
 
     def _resize(self, engine: Engine, planned: bool) -> None:
