@@ -146,9 +146,26 @@ def test_deepspeed_only_optimizer_names_rejected():
         build_optimizer("Adagrad", {}, make_params())
     msg = str(err.value)
     assert "DeepSpeed optimizer that terascale does not provide" in msg
-    assert "Adam, AdamW, Adam8bit, AdamW8bit, Lamb, SGD, OneBitAdam, ZeroOneAdam, OneBitLamb" in msg
-    with pytest.raises(ValueError, match="'Lion' is a DeepSpeed optimizer"):
-        build_optimizer("Lion", {}, make_params())
+    assert "Adam, AdamW, Adam8bit, AdamW8bit, Lamb, Lion, Muon, SGD, OneBitAdam, ZeroOneAdam, OneBitLamb" in msg
+    with pytest.raises(ValueError, match="'MuAdam' is a DeepSpeed optimizer"):
+        build_optimizer("MuAdam", {}, make_params())
+
+
+def test_lion_and_muon_take_deepspeeds_names_and_defaults():
+    from terascale.optim import Lion
+    from terascale.optim.muon import Muon
+
+    lion = build_optimizer("lion", {"set_grad_none": True}, make_params())
+    assert isinstance(lion, Lion) and lion.defaults["betas"] == (0.9, 0.999) and lion.defaults["lr"] == 1e-3
+    groups = [{"params": make_params()[:1], "use_muon": True}, {"params": make_params()[1:], "use_muon": False}]
+    muon = build_optimizer("Muon", {"lr": 0.1, "adam_lr": 1e-3, "momentum": 0.9}, groups)
+    assert isinstance(muon, Muon)
+    assert [(g["lr"], g.get("momentum"), g.get("betas")) for g in muon.param_groups] == [(0.1, 0.9, None),
+                                                                                         (1e-3, None, (0.9, 0.95))]
+    with pytest.raises(ValueError, match="no parameter 'nesterov_steps'.*did you mean 'ns_steps'"):
+        build_optimizer("Muon", {"nesterov_steps": 3}, groups)
+    with pytest.raises(ValueError, match="use_muon"):
+        build_optimizer("Muon", {}, make_params())
 
 
 def test_typo_in_optimizer_name_suggests_nearest():

@@ -19,6 +19,7 @@ from terascale.engine.parallel import ParallelLayout
 from terascale.errors import UsageError
 from terascale.optim import build_optimizer, build_scheduler
 from terascale.optim.lamb import Lamb
+from terascale.optim.muon import Muon
 from terascale.optim.onebit import ReducesOwnGradients
 
 OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None
@@ -177,6 +178,8 @@ def step_in_backward(
         reasons.append(f"health.non_finite.policy '{policy}' decides after backward whether the step is taken")
     if isinstance(optimizer, Lamb):
         reasons.append("Lamb's trust ratios need whole-parameter norms over every run before any update")
+    if isinstance(optimizer, Muon):
+        reasons.append("Muon orthogonalizes whole matrices, gathered from every rank, before any update")
     if zero.offload_optimizer is not None and zero.offload_optimizer.overlap_step:
         reasons.append("offload_optimizer.overlap_step runs the step behind the next window instead")
     if layout.ties:

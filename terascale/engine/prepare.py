@@ -57,6 +57,7 @@ from terascale.engine.parallel import ParallelLayout
 from terascale.engine.precision import PrecisionPolicy
 from terascale.moe.groups import ExpertLayout
 from terascale.offload import optimizer_offload, param_offload
+from terascale.optim.muon import muon_param_groups
 from terascale.parallel.sequence.model import TilePolicy, apply_sequence_parallel
 from terascale.parallel.tensor import auto_tp
 from terascale.zero import ShardedState, WrapPolicy, ZeroOptions
@@ -139,6 +140,8 @@ def prepare_model(
     param_groups = (
         [] if forward_only(config, optimizer) else user_param_groups(module, optimizer, model_parameters, sliced)
     )
+    if config.optimizer is not None and config.optimizer.type.lower() == "muon":
+        param_groups = muon_param_groups(module, param_groups)  # which are Muon's: before ZeRO lays them out
     if isinstance(optimizer, torch.optim.Optimizer):  # the user's groups stand: DeepSpeed's rule for them
         check_expert_param_groups(param_groups, experts, config.zero_optimization.stage)
     else:

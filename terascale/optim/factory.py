@@ -17,6 +17,8 @@ from torch.optim import Optimizer
 from terascale.optim.compact import CompactAdam
 from terascale.optim.cyclic import LRRangeTest, OneCycle
 from terascale.optim.lamb import Lamb
+from terascale.optim.lion import Lion
+from terascale.optim.muon import ADAM_DEFAULTS, MUON_DEFAULTS, Muon
 from terascale.optim.onebit import OneBitAdam
 from terascale.optim.onebit_lamb import OneBitLamb
 from terascale.optim.zoadam import ZeroOneAdam
@@ -25,12 +27,12 @@ from terascale.optim.warmup import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 __all__ = ["SUPPORTED_OPTIMIZERS", "SUPPORTED_SCHEDULERS", "build_optimizer", "build_scheduler"]
 
-SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "Adam8bit", "AdamW8bit", "Lamb", "SGD", "OneBitAdam", "ZeroOneAdam",
-                        "OneBitLamb")
+SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "Adam8bit", "AdamW8bit", "Lamb", "Lion", "Muon", "SGD", "OneBitAdam",
+                        "ZeroOneAdam", "OneBitLamb")
 
 # DeepSpeed optimizers that terascale deliberately does not provide (extension-bound);
 # named in the error so users know it is not a typo.
-_DEEPSPEED_ONLY_OPTIMIZERS = ("Adagrad", "Lion", "MuAdam", "MuAdamW", "MuSGD", "Muon")
+_DEEPSPEED_ONLY_OPTIMIZERS = ("Adagrad", "MuAdam", "MuAdamW", "MuSGD")
 
 # The 1-bit optimizers ([Note: optimizers that reduce their own gradients]): DeepSpeed's
 # names (its config also accepts the spelling "OnebitAdam"; names are case-insensitive).
@@ -81,6 +83,13 @@ _SPECS: dict[str, _Spec] = {
                   "eps_inside_sqrt": False, "weight_decay": 0.0, "max_coeff": 10.0,
                   "min_coeff": 0.01, "amsgrad": False},
     ),
+    # DeepSpeed's FusedLion / DeepSpeedCPULion defaults; their kernel switches are no-ops here.
+    "lion": _Spec(defaults={"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0},
+                  ignored=frozenset({"set_grad_none", "fp32_optimizer_states"})),
+    # DeepSpeed's MuonWithAuxAdam: lr (and weight_decay) for both kinds, muon_lr / adam_lr
+    # over lr for one kind; None: that kind's own default (terascale.optim.muon).
+    "muon": _Spec(defaults={"lr": None, "muon_lr": None, "adam_lr": None, "weight_decay": None, "momentum": None,
+                            "ns_method": None, "nesterov": None, "ns_steps": None, "betas": None, "eps": None}),
     "sgd": _Spec(
         defaults={"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0,
                   "nesterov": False, "maximize": False},
@@ -220,6 +229,11 @@ def build_optimizer(name: str, params: Mapping[str, Any] | None,
         return _ONEBIT_CLASSES[key](groups, **options, group=group)
     if key == "sgd":
         return torch.optim.SGD(groups, **options, **impl)
+    if key == "lion":
+        return Lion(groups, lr=options["lr"], betas=_betas(options["betas"], type_name),
+                    weight_decay=options["weight_decay"])  # fmt: skip
+    if key == "muon":
+        return _muon(groups, options, group)
     if key in ("adam8bit", "adamw8bit"):
         # [Note: compact optimizer states]; Adam8bit follows Adam's adam_w_mode (default on).
         decoupled = key == "adamw8bit" or bool(options.pop("adam_w_mode"))
@@ -243,6 +257,31 @@ def build_optimizer(name: str, params: Mapping[str, Any] | None,
     return cls(groups, **options, **impl)
 
 
+def _muon(groups: list[Any], options: dict[str, Any], group: ProcessGroup | None) -> Muon:
+    """Muon's groups from the config's params, DeepSpeed's way: ``lr`` and ``weight_decay``
+    reach both kinds, ``muon_lr`` / ``adam_lr`` override ``lr`` for theirs; a group's own
+    options (from model_parameters) stand."""
+    if groups and not isinstance(groups[0], Mapping):
+        groups = [{"params": groups}]
+    if any("use_muon" not in g for g in groups):
+        raise ValueError(
+            "optimizer 'Muon' needs param groups marked use_muon=True/False (terascale.initialize splits the "
+            "model's parameters itself: pass model_parameters=None or groups without use_muon to it)"
+        )
+    given = {k: v for k, v in options.items() if v is not None}
+    if "betas" in given:
+        given["betas"] = _betas(given["betas"], "Muon")
+    out = []
+    for g in groups:
+        base = MUON_DEFAULTS if g["use_muon"] else ADAM_DEFAULTS
+        own_lr = given.get("muon_lr" if g["use_muon"] else "adam_lr", given.get("lr"))
+        config = {k: v for k, v in given.items() if k in base}
+        if own_lr is not None:
+            config["lr"] = own_lr
+        out.append({**config, **g})
+    return Muon(out, group=group)
+
+
 def state_bytes_per_element(name: str | None, params: Mapping[str, Any] | None = None) -> float:
     """Bytes of optimizer state per trained element besides its fp32 master, for the
     optimizer a config's ``optimizer`` section names (None: a client optimizer, counted as
@@ -253,6 +292,10 @@ def state_bytes_per_element(name: str | None, params: Mapping[str, Any] | None =
         return 2.0 + 8.0 / int(params.get("block_size", _COMPACT.defaults["block_size"]))
     if key == "sgd":
         return 4.0 if float(params.get("momentum", 0.0)) else 0.0
+    if key == "lion":
+        return 4.0
+    if key == "muon":
+        return 4.0  # its matrices' one momentum buffer (AdamW's two on the embeddings, head and vectors)
     return 8.0
 
 

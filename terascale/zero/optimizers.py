@@ -14,7 +14,9 @@ columns, or a norm of all of it) does not:
   trust ratio of stage 0 (DeepSpeed instead computes it per partition). A tensor-parallel
   slice is a part of its parameter too: the engine's ``SumNorms`` (the model parallel
   layout's) then sums the slices' rows over the tensor-parallel group, at every stage;
-- an optimizer known to need whole tensors (Adafactor, Shampoo, Muon, LARS/LAMB of other
+- terascale's ``Muon`` gives each matrix one owner rank, which orthogonalizes it whole
+  ([Note: whole matrices on shards]);
+- an optimizer known to need whole tensors (Adafactor, Shampoo, other Muons, LARS/LAMB of other
   libraries, ...) or declaring ``needs_whole_parameters = True`` is refused, by name;
 - torch's elementwise optimizers are accepted; any other class needs DeepSpeed's
   ``"zero_allow_untested_optimizer": true``, which says that its update is elementwise.
@@ -51,9 +53,15 @@ def check_shardable(optimizer: torch.optim.Optimizer, stage: int, allow_untested
     (see ``[Note: optimizers on shards]``)."""
     from terascale.optim.compact import is_compact
     from terascale.optim.lamb import Lamb
+    from terascale.optim.lion import Lion
+    from terascale.optim.muon import Muon
 
     name = type(optimizer).__name__
     if is_compact(optimizer):  # elementwise: blocks are cut per piece, [Note: compact optimizer states]
+        return
+    if isinstance(optimizer, Muon):  # whole matrices by owner: [Note: whole matrices on shards]
+        return
+    if isinstance(optimizer, Lion):  # elementwise
         return
     if isinstance(optimizer, Lamb):
         if optimizer.clips:

@@ -37,6 +37,7 @@ from terascale.offload.policy import ParamOffload, can_pin_memory
 from terascale.offload.swap import SwapDirectory
 from terascale.offload.transfer import GradientsAhead, HostStepTransfers
 from terascale.optim.lamb import Lamb
+from terascale.optim.muon import Muon
 from terascale.optim.rounding import StochasticRounding
 from terascale.zero.flat_group import FlatParamGroup, FullBuffers, ShardState, keeps_full_buffers
 from terascale.zero.gather import owner_of, register_owner, unregister
@@ -51,6 +52,7 @@ from terascale.zero.host import (
 )
 from terascale.zero.masters import NVME_RUN_SPLIT_NUMEL, RUN_SPLIT_NUMEL, MasterPrecision, ShardedMasters
 from terascale.zero.optimizers import Segments, SumNorms, check_shardable
+from terascale.zero.whole_matrices import MatrixExchange, exchanges, step_muon
 from terascale.zero.overlap_step import OverlappedStep
 from terascale.zero.run_step import Regathers, RunStep, masters_with_grads
 from terascale.zero.schedule import ParamSchedule, SchedulePolicy
@@ -236,6 +238,7 @@ class ShardedState:
         self.parameter_offload = ParameterOffload(module) if options.stage == 3 else None
         # Steps after which freed host pages go back to the OS (doubling): see step().
         self._steps, self._next_trim = 0, 1 if nvme else 0
+        self._exchanges: list[MatrixExchange] | None = None  # Muon's, made at its first step
 
     @property
     def host_transfers(self) -> HostStepTransfers | None:
@@ -403,6 +406,8 @@ class ShardedState:
             with self._run_grads() as grads_of:
                 if isinstance(optimizer, Lamb):
                     self._step_by_parameter_norms(optimizer, multiplier, grads_of, sum_norms)
+                elif isinstance(optimizer, Muon):
+                    self._step_whole_matrices(optimizer, multiplier, grads_of)
                 else:
                     self._step_runs(optimizer, multiplier, grads_of)
         # With an NVMe tier, the heap holes that the model's full tensors left (glibc served
@@ -519,6 +524,41 @@ class ShardedState:
         if self.params is not None:
             self.params.finish_step()
         regathers.finish()
+
+    def _step_whole_matrices(
+        self, optimizer: Muon, multiplier: torch.Tensor, grads_of: Callable[[list[int]], list[torch.Tensor]]
+    ) -> None:
+        """Muon's step of ``[Note: whole matrices on shards]``: directions run by run, each
+        matrix orthogonalized by its owner, then the updates run by run (each pass with the
+        runs' masters and state swapped in where they live on NVMe)."""
+        if self._exchanges is None:
+            self._exchanges = exchanges(self.plans, self.groups, self.masters, optimizer)
+        write = None if self.params is None else self.params.write_piece
+        if self.params is not None:
+            self.params.settle()
+        swapped = set() if self.swapper is None else {i for run in self.swapper.runs for i in run}
+
+        def step_runs(fn: Callable[[list[int]], None], runs: Sequence[list[int]]) -> None:
+            def step_and_write(run: list[int]) -> None:
+                fn(run)
+                self.masters.write_to_shards(run, write)
+
+            firsts = {run[0] for run in runs}
+            if self.swapper is not None:
+                order = [k for k, run in enumerate(self.swapper.runs) if run[0] in firsts]
+                self.swapper.step(optimizer, step_and_write, order)
+            for run in runs:
+                if run[0] not in swapped:
+                    step_and_write(run)
+
+        step_muon(optimizer, self.masters, self._exchanges, self.masters.sub_groups(), step_runs,
+                  lambda run: masters_with_grads(self.masters, run, grads_of(run), multiplier), self.device)  # fmt: skip
+        if self._ahead is not None and self.grads.listener is self._ahead:
+            self._ahead.forget()  # the host step's copies ahead go unused: Muon reads the shards
+            self.grads.listener = None
+        if self.params is not None:
+            self.params.finish_step()
+        Regathers(self.groups, self.options.allgather_bucket_numel).finish()
 
     @functools.cached_property
     def _segments(self) -> Segments:
@@ -777,6 +817,11 @@ class ShardedState:
                 "Lamb with zero_optimization.offload_optimizer.overlap_step: its trust ratios need an all-reduce of "
                 "per-parameter norms inside the step, which runs in a background thread there; use Adam/AdamW, or "
                 "drop overlap_step"
+            )
+        if isinstance(optimizer, Muon) and self.overlap is not None:
+            raise ValueError(
+                "Muon with zero_optimization.offload_optimizer.overlap_step: each matrix is orthogonalized by one "
+                "rank inside the step (two all-to-alls), which runs in a background thread there; drop overlap_step"
             )
         if isinstance(optimizer, Lamb) and self.swapper is not None:
             raise ValueError(

@@ -1,0 +1,235 @@
+"""Muon (and AdamW beside it) at every ZeRO stage and offload tier, on 2 and 4 ranks,
+against a single-process reference written from the published algorithm.
+
+The reference is plain PyTorch on the whole global batch: momentum as DeepSpeed keeps it
+(an average, ``m ← βm + (1-β)g``), Nesterov's direction ``(1-β)g + βm``, five quintic
+Newton–Schulz iterations on the short side first, the update scaled by
+``√max(1, rows/cols)``, decoupled weight decay; AdamW (bias-corrected) for the embedding,
+the head, the norm and the biases. The model's matrices have different shapes and the
+ZeRO pieces are small, so matrices lie in parts on several ranks and pieces hold parts of
+several matrices ([Note: whole matrices on shards]).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from distributed import run_ranks
+from terascale.optim.muon import balanced_owners, muon_param_groups, newton_schulz, uses_muon
+
+STEPS, GLOBAL, VOCAB, DIM = 4, 4, 24, 16
+LR, ADAM_LR, WD, MOMENTUM = 0.02, 3e-3, 0.01, 0.9
+MATRIX_NUMEL = 3 * DIM * DIM + 3 * DIM * DIM + DIM * DIM  # up, down, mix
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.up = nn.Linear(DIM, 3 * DIM)  # wide
+        self.down = nn.Linear(3 * DIM, DIM, bias=False)  # tall
+        self.mix = nn.Linear(DIM, DIM)
+        self.norm = nn.LayerNorm(DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = h + self.down(torch.nn.functional.gelu(self.up(h)))
+        h = self.norm(h + self.mix(h))
+        return nn.functional.cross_entropy(self.lm_head(h).flatten(0, 1), labels.flatten())
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (STEPS, GLOBAL, 6), generator=g)
+    return ids, torch.roll(ids, 1, dims=-1)
+
+
+def orthogonal(g: torch.Tensor) -> torch.Tensor:
+    """Five quintic Newton–Schulz iterations (Jordan et al.), on the short side first."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.T if g.shape[0] > g.shape[1] else g
+    x = x / (x.norm() + 1e-7)
+    for _ in range(5):
+        s = x @ x.T
+        x = a * x + (b * s + c * s @ s) @ x
+    return x.T if g.shape[0] > g.shape[1] else x
+
+
+def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    net = Net()
+    ids, labels = data()
+    state: dict[str, dict] = {n: {} for n, _ in net.named_parameters()}
+    losses = []
+    for s in range(STEPS):
+        net.zero_grad()
+        loss = net(ids[s], labels[s])
+        loss.backward()
+        losses.append(float(loss.detach()))
+        with torch.no_grad():
+            for name, p in net.named_parameters():
+                g, st = p.grad, state[name]
+                if p.ndim >= 2 and "embed" not in name and "lm_head" not in name:
+                    m = st.setdefault("m", torch.zeros_like(p))
+                    m.mul_(MOMENTUM).add_(g, alpha=1 - MOMENTUM)
+                    u = (1 - MOMENTUM) * g + MOMENTUM * m
+                    o = orthogonal(u) * max(1.0, p.shape[0] / p.shape[1]) ** 0.5
+                    p.mul_(1 - LR * WD).sub_(LR * o)
+                else:
+                    t = st["t"] = st.get("t", 0) + 1
+                    m = st.setdefault("m", torch.zeros_like(p))
+                    v = st.setdefault("v", torch.zeros_like(p))
+                    m.mul_(0.9).add_(g, alpha=0.1)
+                    v.mul_(0.95).add_(g * g, alpha=0.05)
+                    update = (m / (1 - 0.9**t)) / ((v / (1 - 0.95**t)).sqrt() + 1e-10)
+                    p.mul_(1 - ADAM_LR * WD).sub_(ADAM_LR * update)
+    return losses, {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+def config(world: int, stage: int, extra: dict) -> dict:
+    return {
+        "train_batch_size": GLOBAL,
+        "train_micro_batch_size_per_gpu": GLOBAL // world,
+        "optimizer": {"type": "Muon", "params": {"lr": LR, "adam_lr": ADAM_LR, "weight_decay": WD,
+                                                  "momentum": MOMENTUM, "ns_method": extra.pop("ns", "gram")}},
+        "zero_optimization": {"stage": stage, "sub_group_size": 100, "reduce_bucket_size": 200,
+                              "stage3_param_persistence_threshold": 0, **extra},
+        "steps_per_print": 1000,
+    }  # fmt: skip
+
+
+def train(world: int, cases: list[tuple[int, dict]], steps: range = range(STEPS), load: str | None = None,
+          save: str | None = None) -> list:  # fmt: skip
+    """Train each case for ``steps`` (from the checkpoint in ``load``, saving to ``save``)."""
+    import terascale
+    from terascale.zero import WrapPolicy
+
+    rank, micro = int(os.environ["RANK"]), GLOBAL // world
+    out = []
+    for stage, extra in cases:
+        torch.manual_seed(0)
+        net = Net()
+        engine, optimizer, _, _ = terascale.initialize(model=net, config=config(world, stage, dict(extra)),
+                                                       wrap_policy=WrapPolicy(module_classes=(nn.Linear,)))  # fmt: skip
+        if load is not None:
+            engine.load_checkpoint(load)
+        ids, labels = data()
+        losses = []
+        for s in steps:
+            lo = rank * micro
+            loss = engine(ids[s, lo : lo + micro], labels[s, lo : lo + micro])
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+        if save is not None:
+            engine.save_checkpoint(save)
+        held = {use: sum(p.numel() for g in optimizer.param_groups if g["use_muon"] == use for p in g["params"])
+                for use in (True, False)}  # fmt: skip
+        out.append((losses, engine.full_state_dict(), engine.memory_breakdown()["optimizer_state"], held))
+        engine.destroy()
+    return out
+
+
+def _check(world: int, cases: list[tuple[int, dict]], results: list) -> None:
+    ref_losses, ref_state = reference()
+    for i, case in enumerate(cases):
+        losses = torch.tensor([r[i][0] for r in results]).mean(dim=0)
+        torch.testing.assert_close(losses, torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=str(case))
+        for r in results:
+            for k, v in ref_state.items():
+                torch.testing.assert_close(r[i][1][k], v, rtol=1e-5, atol=2e-6, msg=f"{case}: {k}")
+        stage, extra = case
+        if stage > 0 and "offload_optimizer" not in extra:  # (on NVMe the masters are in their files)
+            # Each rank: one buffer for its share of the matrices, Adam's two for the rest.
+            assert sum(r[i][3][True] for r in results) == MATRIX_NUMEL
+            for r in results:
+                assert r[i][2] == 4 * r[i][3][True] + 8 * r[i][3][False], (case, r[i][2:])
+
+
+def test_muon_matches_the_reference_at_every_stage_and_tier_on_two_ranks(tmp_path) -> None:
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    cases = [(0, {"ns": "standard"}), (1, {}), (2, {}), (3, {"ns": "standard"}),
+             (2, {"offload_optimizer": {"device": "cpu"}}), (3, {"offload_optimizer": nvme})]  # fmt: skip
+    _check(2, cases, run_ranks(train, 2, 2, cases))
+
+
+def test_muon_matches_the_reference_at_zero_3_on_four_ranks() -> None:
+    cases = [(3, {})]
+    _check(4, cases, run_ranks(train, 4, 4, cases))
+
+
+def test_gram_newton_schulz_is_the_standard_iteration() -> None:
+    torch.manual_seed(0)
+    for shape in [(16, 64), (64, 16), (24, 24)]:
+        g = torch.randn(*shape)
+        torch.testing.assert_close(newton_schulz(g, 5, "gram"), orthogonal(g), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(newton_schulz(g, 5, "standard"), orthogonal(g), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="ns_method"):
+        newton_schulz(torch.randn(3, 4), 5, "cubic")
+
+
+def test_parameters_are_split_by_deepspeeds_rule_and_owners_balance() -> None:
+    net = Net()
+    assert [n for n, p in net.named_parameters() if uses_muon(n, p)] == ["up.weight", "down.weight", "mix.weight"]
+    groups = muon_param_groups(net, [{"params": list(net.parameters()), "lr": 0.1}])
+    assert [(g["use_muon"], len(g["params"]), g["lr"]) for g in groups] == [(True, 3, 0.1), (False, 6, 0.1)]
+    owners = balanced_owners([8, 7, 6, 5, 4, 3, 2, 1], 4)
+    loads = [sum(c for c, o in zip([8, 7, 6, 5, 4, 3, 2, 1], owners) if o == r) for r in range(4)]
+    assert max(loads) == 9 and min(loads) == 9
+
+
+def test_muon_state_resumes_exactly_on_another_world_size_and_stage(tmp_path) -> None:
+    # Two steps on 2 ranks at ZeRO-2 (host offload), the last two from its checkpoint on 4 ranks
+    # at ZeRO-3 and on 1 rank at stage 0: momenta and Adam's moments carried by value.
+    run_ranks(train, 2, 2, [(2, {"offload_optimizer": {"device": "cpu"}})], range(2), None, str(tmp_path / "c"))
+    _, ref_state = reference()
+    for world, stage in ((4, 3), (1, 0)):
+        (result,) = run_ranks(train, world, world, [(stage, {})], range(2, STEPS), str(tmp_path / "c"))[0]
+        for k, v in ref_state.items():
+            torch.testing.assert_close(result[1][k], v, rtol=1e-5, atol=2e-6, msg=f"world {world}: {k}")
+
+
+# Published configs, as their authors wrote them: the finetune demo's z2_muon.json
+# (delock/deepspeed_finetune_demo) and the config of DeepSpeed's tests/unit/ops/muon
+# (fp16, ZeRO-3 with host offload and its momentum-in-memory switch).
+Z2_MUON = {"train_batch_size": 8, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "Muon", "params": {"lr": 2e-5, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                    "weight_decay": 0.01}},
+           "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True}
+DS_UNIT = {"train_batch_size": 8, "optimizer": {"type": "muon", "params": {"lr": 0.01}}, "gradient_clipping": 1.0,
+           "fp16": {"enabled": True},
+           "zero_optimization": {"stage": 3, "reduce_scatter": False, "save_muon_momentum_buffer_in_memory": True,
+                                 "offload_optimizer": {"device": "cpu", "pin_memory": True}}}  # fmt: skip
+
+
+def train_published(world: int, configs: list[dict]) -> list:
+    import terascale
+    from terascale.optim.muon import Muon
+
+    out = []
+    for config in configs:
+        torch.manual_seed(0)
+        net = Net()
+        before = {k: v.clone() for k, v in net.state_dict().items()}
+        engine, optimizer, _, _ = terascale.initialize(model=net, config=config)
+        ids, labels = data()
+        assert engine.train_micro_batch_size_per_gpu() == GLOBAL  # 8 over 2 ranks
+        for s in range(3):
+            engine.backward(engine(ids[s], labels[s]))
+            engine.step()
+        after = engine.full_state_dict()
+        out.append((isinstance(optimizer.optimizer, Muon), sorted(g["use_muon"] for g in optimizer.param_groups),
+                    engine.global_steps, sorted(k for k in before if not torch.equal(before[k], after[k].to(before[k])))))  # fmt: skip
+        engine.destroy()
+    return out
+
+
+def test_published_muon_configs_train_unchanged() -> None:
+    for muon, kinds, steps, changed in run_ranks(train_published, 2, 2, [Z2_MUON, DS_UNIT])[0]:
+        assert muon and kinds == [False, True] and steps == 3
+        assert "up.weight" in changed and "embed.weight" in changed and "lm_head.weight" in changed, changed
