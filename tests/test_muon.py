@@ -178,6 +178,8 @@ def test_parameters_are_split_by_deepspeeds_rule_and_owners_balance() -> None:
     assert [n for n, p in net.named_parameters() if uses_muon(n, p)] == ["up.weight", "down.weight", "mix.weight"]
     groups = muon_param_groups(net, [{"params": list(net.parameters()), "lr": 0.1}])
     assert [(g["use_muon"], len(g["params"]), g["lr"]) for g in groups] == [(True, 3, 0.1), (False, 6, 0.1)]
+    net.wte = nn.Embedding(VOCAB, DIM)  # GPT-2's name: an embedding table all the same (AdamW's)
+    assert [len(g["params"]) for g in muon_param_groups(net, [{"params": list(net.parameters())}])] == [3, 7]
     owners = balanced_owners([8, 7, 6, 5, 4, 3, 2, 1], 4)
     loads = [sum(c for c, o in zip([8, 7, 6, 5, 4, 3, 2, 1], owners) if o == r) for r in range(4)]
     assert max(loads) == 9 and min(loads) == 9

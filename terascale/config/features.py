@@ -237,7 +237,6 @@ FEATURES: tuple[Feature, ...] = (
         Feature(description, False, _loose_enabled(section))
         for section, description in (
             ("amp", "Apex AMP"),
-            ("torch_autocast", "torch autocast mixed precision"),
             ("autotuning", "autotuning"),
             ("compression_training", "compression training"),
             ("data_efficiency", "data efficiency (curriculum / data routing)"),

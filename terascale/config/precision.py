@@ -120,6 +120,28 @@ class Bf16Config(Section):
         return self.masters_in_bf16 and self.bf16_optimizer_states
 
 
+class TorchAutocastConfig(Section):
+    """``torch_autocast`` (DeepSpeed's section): the forward (and its recompute) runs under
+    ``torch.autocast`` in ``dtype`` (None: torch's default for the device, bf16 on the host
+    and fp16 on CUDA) while parameters, gradients and masters keep the dtype the other
+    sections give them (fp32 unless bf16/fp16 is on). fp16 brings dynamic loss scaling, as
+    the ``fp16`` section's. The gradients of the parameters of ``lower_precision_safe_modules``
+    (class paths, default torch's Linear and Conv1d/2d/3d) are reduced over the ranks in
+    ``dtype``, the others in their own."""
+
+    enabled: bool = False
+    dtype: DtypeName | None = None
+    lower_precision_safe_modules: list[str] | None = None
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype(cls, value: Any) -> Any:
+        name = normalize_dtype_name(value)
+        if name == "fp32":
+            raise ValueError("torch_autocast.dtype is the lower precision to compute in: 'bfloat16' or 'float16'")
+        return name
+
+
 class DataTypesConfig(Section):
     """``data_types``: dtypes of what the engine keeps (None = DeepSpeed's default):
     gradient accumulation (the compute dtype), floating buffers (each its own dtype), and

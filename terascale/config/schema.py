@@ -41,6 +41,7 @@ from terascale.config.precision import (
     Bf16Config,
     DataTypesConfig,
     Fp16Config,
+    TorchAutocastConfig,
     both_precisions_raw,
     param_dtype_conflict,
 )
@@ -271,7 +272,7 @@ class Config(Section):
     trackio: LooseSection = None
     timers: LooseSection = None
     amp: LooseSection = None
-    torch_autocast: LooseSection = None
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig)
     autotuning: LooseSection = None
     compression_training: LooseSection = None

@@ -26,6 +26,7 @@ from terascale.engine.data import DataPosition, to_device
 from terascale.engine.direct_backward import DirectBackward
 from terascale.engine.deepspeed_api import _LIVE, DeepSpeedEngineAPI
 from terascale.engine import export
+from terascale.engine.autocast import autocast_dtype, forward_autocast, scales_loss
 from terascale.engine.loss_scaler import build_loss_scaler
 from terascale.engine.memory import memory_breakdown
 from terascale.engine.model_state import ModelState
@@ -84,7 +85,9 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._state = prepared.state
         self.optimizer = engine_optimizer(optimizer, config, self._state, self._layout)  # None: forward only
         self.lr_scheduler = engine_scheduler(lr_scheduler, config, self.optimizer)
-        self.loss_scaler = build_loss_scaler(config.fp16, int(config.zero_optimization.stage))
+        self._autocast = autocast_dtype(config, dist_ctx.device)  # None: no torch_autocast
+        self._scales_loss = scales_loss(config, dist_ctx.device)
+        self.loss_scaler = build_loss_scaler(config.fp16, int(config.zero_optimization.stage), self._scales_loss)
         batch = config.resolve_batch(dist_ctx.dp_world_size)
         self._train = TrainState(
             batch.gradient_accumulation_steps, dist_ctx.device, managed=config.managed_gradient_accumulation
@@ -245,7 +248,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         on it directly (``[Note: direct backward]``)."""
         with self._phase("forward", (args, kwargs)):
             args, kwargs = to_device((args, kwargs), self.device, self._input_cast_dtype())
-            with self.activations.forward_context():
+            with self.activations.forward_context(), forward_autocast(self._autocast, self.device):
                 return self._direct.wrap(self.module(*args, **kwargs))
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
@@ -343,7 +346,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
             return
         applied, norm = outcome
         self._train.step_done(applied=applied, grad_norm=norm, samples=samples)
-        loss_scale = self.loss_scale if self.config.fp16.enabled else None
+        loss_scale = self.loss_scale if self._scales_loss else None
         self._observe.step_ends(self.get_lr()[0], loss_scale)  # reads the window's loss where it reports
         self._train.reset_window_loss()
         self.activations.log_profile(self._train.global_steps)
@@ -423,7 +426,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         clip = self.config.gradient_clipping
         checks = self._resilience.checks_non_finite
         bf16 = self.config.bf16
-        overflow_checked = self.config.fp16.enabled or (bf16.enabled and bf16.check_grad_overflow)
+        overflow_checked = self._scales_loss or (bf16.enabled and bf16.check_grad_overflow)
         if clip > 0 or overflow_checked or self._train.window_norm is not None or checks:
             norm = self.window_grad_norm()
         overflow = False

@@ -125,11 +125,12 @@ class DynamicLossScaler:
 LossScaler = StaticLossScaler | DynamicLossScaler
 
 
-def build_loss_scaler(fp16, zero_stage: int = 1) -> LossScaler:
-    """The scaler for a config's ``fp16`` section (a unit static scaler when fp16 is off).
+def build_loss_scaler(fp16, zero_stage: int = 1, enabled: bool | None = None) -> LossScaler:
+    """The scaler for a config's ``fp16`` section (a unit static scaler when fp16 is off;
+    ``enabled`` overrides that: an fp16 ``torch_autocast`` scales by the section's keys).
     Without ZeRO (stage 0) every overflow lowers the scale, ``hysteresis`` notwithstanding:
     DeepSpeed's fp16 optimizer for that case has no hysteresis, its ZeRO optimizers do."""
-    if not fp16.enabled:
+    if not (fp16.enabled if enabled is None else enabled):
         return StaticLossScaler(1.0)
     if fp16.loss_scale > 0:
         return StaticLossScaler(fp16.loss_scale, use_grad_scaling=True)

@@ -35,8 +35,9 @@ Stage 0 is :class:`ReplicatedState` (below); stages 1-3 are
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -167,7 +168,11 @@ class ReplicatedState:
         reduce_policy: ReducePolicy,
         device: torch.device,
         experts: ExpertLayout | None = None,
+        comm_dtypes: Mapping[int, torch.dtype] | None = None,
     ) -> None:
+        """``comm_dtypes``: parameter id -> the dtype its gradient is all-reduced in, over
+        ``reduce_policy``'s (torch_autocast's lower_precision_safe_modules); such gradients
+        go in buckets of their own."""
         self.module = module
         materialize(module, precision.compute_dtype, device)  # a model built in zero.Init
         trainable = _ordered_params(module, param_groups)
@@ -180,14 +185,20 @@ class ReplicatedState:
         self._experts = experts or ExpertLayout()
         self.comm_stats = CommStats()  # bytes this rank has sent reducing gradients (dense and sparse)
         self._reductions: list[tuple[list[int], GradientBuckets, ExpertGroups | None]] = []
-        for groups, index in self._experts.split(trainable):
-            params = [trainable[i] for i in index]
-            buckets = GradientBuckets(
-                params, [names.get(id(p), "<unnamed>") for p in params], group if groups is None else groups.edp_group,
-                reduce_policy, device, average_over=world, stats=self.comm_stats,
-            )  # fmt: skip
-            self._reductions.append((index, buckets, groups))
-        self._buckets = self._reductions[0][1]  # the dense parameters'
+        comm_dtypes = comm_dtypes or {}
+        for groups, every in self._experts.split(trainable):
+            by_dtype: dict[torch.dtype | None, list[int]] = {}
+            for i in every:
+                by_dtype.setdefault(comm_dtypes.get(id(trainable[i])), []).append(i)
+            for comm, index in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):  # the same order on every rank
+                params = [trainable[i] for i in index]
+                policy = reduce_policy if comm is None else dataclasses.replace(reduce_policy, comm_dtype=comm)
+                buckets = GradientBuckets(
+                    params, [names.get(id(p), "<unnamed>") for p in params],
+                    group if groups is None else groups.edp_group, policy, device, average_over=world,
+                    stats=self.comm_stats,
+                )  # fmt: skip
+                self._reductions.append((index, buckets, groups))
         self._finished = False
         self._reduces: Callable[[], bool] | None = None  # [Note: optimizers that reduce their own gradients]
         self._local = False  # this window's gradients are each rank's own

@@ -169,7 +169,7 @@ def step_in_backward(
         )
     if not config.managed_gradient_accumulation:
         reasons.append("managed_gradient_accumulation false: a window's last backward is known only at engine.step()")
-    if config.fp16.enabled:
+    if config.fp16.enabled or (config.torch_autocast.enabled and config.torch_autocast.dtype in (None, "fp16")):
         reasons.append("fp16 checks the gradients for overflow after backward and skips the step if any; use bf16")
     if config.bf16.enabled and config.bf16.check_grad_overflow:
         reasons.append("bf16.check_grad_overflow skips the step after backward if a gradient is not finite")

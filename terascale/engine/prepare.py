@@ -45,6 +45,7 @@ from terascale.config.errors import ConfigError
 from terascale.config.precision import cast_module
 from terascale.config.section import TORCH_DTYPES
 from terascale.engine.activations import EngineActivations
+from terascale.engine.autocast import low_precision_comm
 from terascale.engine.experts import (
     broadcast_initial_values,
     check_expert_param_groups,
@@ -224,7 +225,8 @@ def build_model_state(
         zeropp_policy(config)  # says that ZeRO++'s keys do nothing here
         master_precision(config)  # refuses bf16 masters without ZeRO, as DeepSpeed does
         policy = ReducePolicy(**_reduction(config), accum_dtype=config.grad_accum_dtype, sparse_params=sparse)
-        return ReplicatedState(module, param_groups, precision, group, policy, dist_ctx.device, experts)
+        return ReplicatedState(module, param_groups, precision, group, policy, dist_ctx.device, experts,
+                               low_precision_comm(module, config, dist_ctx.device, precision.compute_dtype))  # fmt: skip
     if zero.stage == 3 and zero.leaf_module:
         mark_leaf_modules(module, zero.leaf_module)
     options = zero_options(config, wrap_policy)
@@ -239,6 +241,7 @@ def build_model_state(
         device=dist_ctx.device,
         param_classes=param_classes,
         class_groups=experts.class_groups() if experts else None,
+        comm_dtypes=low_precision_comm(module, config, dist_ctx.device, precision.compute_dtype),
     )
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from terascale.optim.closure import evaluate
 from terascale.optim.quantize import DEFAULT_BLOCK, Code, blocks, decode, encode
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -83,10 +84,7 @@ class CompactAdam(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None or p.numel() == 0:

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from terascale.optim.closure import evaluate
+
 __all__ = ["Lamb"]
 
 # DeepSpeed adds this to the unscaled gradient norm before comparing it with
@@ -163,10 +165,7 @@ class Lamb(Optimizer):
                 for each batch of ``params`` and sums, in place, those of parts over the
                 ranks holding the others (collective), so the trust ratio is the whole's.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
 
         all_grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         for grad in all_grads:

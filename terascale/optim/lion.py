@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from terascale.optim.closure import evaluate
+
 
 class Lion(torch.optim.Optimizer):
     """Lion (Chen et al., 2023): ``p -= lr * (sign(b1 * m + (1 - b1) * g) + wd * p)``, then
@@ -28,10 +30,7 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:

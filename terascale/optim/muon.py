@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from terascale.comm import ops
+from terascale.optim.closure import evaluate
 
 NS_METHODS = ("gram", "standard")
 # The quintic's coefficients (Jordan et al.): the slope at zero is pushed up so that five
@@ -49,16 +50,25 @@ def uses_muon(name: str, param: torch.Tensor) -> bool:
 
 def muon_param_groups(module: nn.Module, groups: Sequence[dict]) -> list[dict]:
     """Split each of ``groups`` (dicts over ``module``'s parameters) into its Muon part and
-    its AdamW part, each marked ``use_muon`` (a group that already says is kept whole)."""
+    its AdamW part, each marked ``use_muon`` (a group that already says is kept whole).
+
+    DeepSpeed's name rule (:func:`uses_muon`), and beyond it: the weights of every
+    ``nn.Embedding`` go to AdamW whatever their names (GPT-2's ``wte``/``wpe``, and a head
+    tied to them), as Muon is meant for hidden layers only."""
     names = {id(p): n for n, p in module.named_parameters()}
+    tables = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
+
+    def muon(p: torch.Tensor) -> bool:
+        return id(p) not in tables and uses_muon(names.get(id(p), ""), p)
+
     out = []
     for group in groups:
         if "use_muon" in group:
             out.append(dict(group))
             continue
-        muon = [p for p in group["params"] if uses_muon(names.get(id(p), ""), p)]
-        other = [p for p in group["params"] if not uses_muon(names.get(id(p), ""), p)]
-        for use, params in ((True, muon), (False, other)):
+        muon_params = [p for p in group["params"] if muon(p)]
+        other = [p for p in group["params"] if not muon(p)]
+        for use, params in ((True, muon_params), (False, other)):
             if params:
                 out.append({**group, "params": params, "use_muon": use})
     return out
@@ -236,10 +246,7 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """One step on whole tensors: every Muon tensor must be a matrix (or a filter)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         directions = self.directions(params)
         todo = [(p, d) for p, d in zip(params, directions) if d is not None]

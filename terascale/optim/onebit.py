@@ -60,6 +60,7 @@ from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from terascale.comm.compressed import CompressedStats, compressed_allreduce_many, padded_numel
+from terascale.optim.closure import evaluate
 
 __all__ = ["OneBitAdam", "OneBitOptimizer", "ReducesOwnGradients"]
 
@@ -297,10 +298,7 @@ class OneBitAdam(OneBitOptimizer):
     def step(self, closure: Any = None) -> Any:
         """One update of every parameter (see the class docstring); collective over the
         group in a compressed step."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
         done = self.steps_done()
         compressing = done >= self.freeze_step
         keyed = self._keyed_params()

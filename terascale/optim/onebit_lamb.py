@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
+from terascale.optim.closure import evaluate
 from terascale.optim.onebit import OneBitOptimizer
 
 __all__ = ["OneBitLamb"]
@@ -105,10 +106,7 @@ class OneBitLamb(OneBitOptimizer):
     def step(self, closure: Any = None) -> Any:
         """One update of every parameter ([Note: 1-bit LAMB]); collective over the group
         in a compressed step."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
         done = self.steps_done()
         keyed = self._keyed_params()
         states = [self._init_state(p, done) for _, _, p in keyed]

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
+from terascale.optim.closure import evaluate
 from terascale.optim.onebit import OneBitOptimizer
 
 __all__ = ["ZeroOneAdam"]
@@ -119,10 +120,7 @@ class ZeroOneAdam(OneBitOptimizer):
     def step(self, closure: Any = None) -> Any:
         """One update of every parameter ([Note: the 0/1 Adam schedule]); collective over
         the group on the steps that compress."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
         done = self.steps_done()
         keyed = self._keyed_params()
         states = [self._init_state(p, done) for _, _, p in keyed]

@@ -162,9 +162,15 @@ class ShardedGrads:
         swapper: GradSwapper | None = None,
         reduce_groups: Sequence[ProcessGroup] | None = None,
         quantized: QuantizedReduce | None = None,
+        comm_dtypes: Sequence[torch.dtype | None] | None = None,
     ) -> None:
+        """``comm_dtypes[g]``: the dtype group ``g`` is reduced in, over the policy's (None:
+        the policy's ``comm_dtype``)."""
         assert swapper is None or policy.reduce_every_micro_step, "gradient swapping needs stage 2 or 3"
         self.quantized = quantized
+        self._comm_dtypes = [
+            (c if c is not None else policy.comm_dtype) for c in (comm_dtypes or [None] * len(groups))
+        ]
         self.groups = list(groups)
         self.swapper = swapper  # stages 2-3 with the optimizer on NVMe: shards go to disk
         self.policy = policy
@@ -351,10 +357,11 @@ class ShardedGrads:
         pol = self.policy
         sparse = self._sparse[g]
         if sparse is None:
-            comm = flat if pol.comm_dtype in (None, flat.dtype) else flat.to(pol.comm_dtype)
+            comm_dtype = self._comm_dtypes[g]
+            comm = flat if comm_dtype in (None, flat.dtype) else flat.to(comm_dtype)
             lo, hi = self.groups[g].layout.shard_range(self._ranks[g])
         else:
-            comm = self._sparse[g].pack(flat, self._sizes[g], self.policy.comm_dtype or flat.dtype)
+            comm = self._sparse[g].pack(flat, self._sizes[g], self._comm_dtypes[g] or flat.dtype)
             lo, hi = self._ranks[g] * sparse.chunk, (self._ranks[g] + 1) * sparse.chunk
         pre = 1.0 / self._divisor if pol.prescale else 1.0 / pol.predivide_factor
         if pre != 1.0:
@@ -394,7 +401,7 @@ class ShardedGrads:
             rows = rows * pre
         fg = self.groups[g]
         return all_gather_sparse(
-            rows, fg.layout.slots[i].shape[1:], self._pgs[g], dtype=self.policy.comm_dtype or self.policy.dtype,
+            rows, fg.layout.slots[i].shape[1:], self._pgs[g], dtype=self._comm_dtypes[g] or self.policy.dtype,
             device=fg.device, stats=self.comm,
         )  # fmt: skip
 

@@ -85,6 +85,15 @@ class ZeroOptions:
         assert self.stage == 3 or not self.zeropp.enabled, "ZeRO++ needs stage 3"
 
 
+@dataclass(frozen=True)
+class ReducedIn:
+    """The group class of a parameter whose gradient is reduced in ``dtype`` (``base``: the
+    class it has otherwise, which picks its process group)."""
+
+    dtype: torch.dtype
+    base: Hashable = None
+
+
 class ShardedState:
     """Parameters, gradients and optimizer state of ``module`` sharded over ``group``.
 
@@ -105,8 +114,15 @@ class ShardedState:
         device: torch.device,
         param_classes: Mapping[int, Hashable] | None = None,
         class_groups: Mapping[Hashable, ProcessGroup] | None = None,
+        comm_dtypes: Mapping[int, torch.dtype] | None = None,
     ) -> None:
         self.module = module
+        # Parameters whose gradients are reduced in a dtype of their own (torch_autocast's
+        # lower_precision_safe_modules) form groups of their own: the group is the unit of
+        # the reduce-scatter.
+        classes: dict[int, Hashable] = dict(param_classes or {})
+        for pid, comm in (comm_dtypes or {}).items():
+            classes[pid] = ReducedIn(comm, classes.get(pid))
         self.options = options
         self.group = group
         self.device = device
@@ -118,7 +134,7 @@ class ShardedState:
             opt_group_of,
             persistence_threshold=options.persistence_threshold,
             shard_params=options.stage == 3,
-            classes=param_classes,
+            classes=classes,
         )
         # [Note: building under a memory bound]: groups are built one at a time; each
         # takes its parameters over from a zero.Init (whose slices are then freed) and,
@@ -145,7 +161,8 @@ class ShardedState:
         # A class with a process group of its own shards over it (experts over their
         # expert-data-parallel group: [Note: expert parameters]); the rest over ``group``.
         class_groups = dict(class_groups or {})
-        plan_pgs = [class_groups.get((param_classes or {}).get(id(plan.params[0])), group) for plan in self.plans]
+        plan_classes = [classes.get(id(plan.params[0])) for plan in self.plans]
+        plan_pgs = [class_groups.get(c.base if isinstance(c, ReducedIn) else c, group) for c in plan_classes]
         # ZeRO++ applies to the groups sharded over ``group`` (an expert class's groups
         # shard over a subgroup of their own and gather as usual).
         self.zeropp = ZeroPPComm.build(options.zeropp, group) if options.zeropp.enabled else None
@@ -216,6 +233,7 @@ class ShardedState:
             on_group_done=None if self.schedule is None else self.schedule.on_grads_done,
             swapper=self._grad_swapper(options),
             reduce_groups=[channels[id(pg)] for pg in plan_pgs],
+            comm_dtypes=[c.dtype if isinstance(c, ReducedIn) else None for c in plan_classes],
             quantized=None if self.zeropp is None or self.zeropp.nodes is None else QuantizedReduce(
                 self.zeropp.nodes, self.zeropp.grad_quant, frozenset(g for g, pg in enumerate(plan_pgs) if pg is group)),
         )
