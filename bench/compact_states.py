@@ -60,21 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run(args: argparse.Namespace, optimizer: str) -> dict:
+def demo_config(args: argparse.Namespace) -> dict:
+    """The demo's config for ``args``: its stage and offload, its steps (warm-up and decay
+    over them), peak lr, micro-batch and precision; no profilers."""
     config = json.loads((ROOT / "examples/configs/gpt_demo.json").read_text())
-    kind, _, variant = optimizer.partition("+")
-    overlap = variant == "overlap" or variant.endswith("+overlap")
-    variant = variant.removesuffix("overlap").rstrip("+")
-    if variant not in VARIANTS:
-        raise SystemExit(f"unknown variant {variant!r} of {optimizer!r}: one of {sorted(VARIANTS)[1:]}")
-    if variant and not args.bf16:
-        raise SystemExit(f"{optimizer}: bf16 masters and states need --bf16")
-    config["optimizer"]["type"] = kind
-    config["bf16"] = {**config.get("bf16", {}), **VARIANTS[variant]}
     config["zero_optimization"] = json.loads(args.zero)
-    if overlap:
-        offload = config["zero_optimization"].setdefault("offload_optimizer", {"device": "cpu"})
-        offload["overlap_step"] = True
     config["scheduler"]["params"]["total_num_steps"] = args.steps
     if args.lr is not None:
         config["optimizer"]["params"]["lr"] = config["scheduler"]["params"]["warmup_max_lr"] = args.lr
@@ -85,7 +75,30 @@ def run(args: argparse.Namespace, optimizer: str) -> dict:
         config.pop("bf16", None)
     for key in ("flops_profiler", "comms_logger", "wall_clock_breakdown"):
         config.pop(key, None)
-    out = Path(args.out) / optimizer
+    return config
+
+
+def run(args: argparse.Namespace, optimizer: str) -> dict:
+    config = demo_config(args)
+    kind, _, variant = optimizer.partition("+")
+    overlap = variant == "overlap" or variant.endswith("+overlap")
+    variant = variant.removesuffix("overlap").rstrip("+")
+    if variant not in VARIANTS:
+        raise SystemExit(f"unknown variant {variant!r} of {optimizer!r}: one of {sorted(VARIANTS)[1:]}")
+    if variant and not args.bf16:
+        raise SystemExit(f"{optimizer}: bf16 masters and states need --bf16")
+    config["optimizer"]["type"] = kind
+    if args.bf16:
+        config["bf16"] = {**config.get("bf16", {}), **VARIANTS[variant]}
+    if overlap:
+        offload = config["zero_optimization"].setdefault("offload_optimizer", {"device": "cpu"})
+        offload["overlap_step"] = True
+    return train_gpt(args, config, Path(args.out) / optimizer)
+
+
+def train_gpt(args: argparse.Namespace, config: dict, out: Path) -> dict:
+    """``examples/train_gpt.py`` on ``args.nproc`` ranks with ``config`` and ``args``' model
+    shape, steps and seed, into ``out``; its metrics.json."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     cmd = [str(ROOT / ".venv/bin/terascale"), "run", "--nproc", str(args.nproc), str(ROOT / "examples/train_gpt.py"),

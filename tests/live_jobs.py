@@ -175,8 +175,12 @@ def sample_mismatches(out: Path, ref: Path) -> list[int]:
     bad = []
     for r in refs:
         trained = sorted(got.get(r["step"], []), key=lambda d: d["time"])
-        # A step trained again after a return to a checkpoint: the last world's records stand.
+        # A step trained again in a later membership epoch (the survivors went back to an
+        # older snapshot): that epoch's records stand, not a fenced process's late record of
+        # its own try. After a return to a checkpoint (the restart path): the last world's.
         if trained:
+            newest = max(d.get("membership", 0) for d in trained)
+            trained = [d for d in trained if d.get("membership", 0) == newest]
             trained = trained[-trained[-1]["world"] :]
         if sorted(h for d in trained for h in d["samples"]) != sorted(r["samples"]):
             bad.append(r["step"])

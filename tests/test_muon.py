@@ -235,3 +235,24 @@ def test_published_muon_configs_train_unchanged() -> None:
     for muon, kinds, steps, changed in run_ranks(train_published, 2, 2, [Z2_MUON, DS_UNIT])[0]:
         assert muon and kinds == [False, True] and steps == 3
         assert "up.weight" in changed and "embed.weight" in changed and "lm_head.weight" in changed, changed
+
+
+def _tp_rank() -> str:
+    import transformers
+
+    import terascale
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4,
+                                                                 n_positions=16))  # fmt: skip
+    config = {"train_batch_size": 2, "optimizer": {"type": "Muon"}, "tensor_parallel": {"autotp_size": 2}}
+    try:
+        terascale.initialize(model=model, config=config)
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_muon_with_tensor_parallel_slices_is_refused_until_whole_matrices_are_gathered() -> None:
+    # Orthogonalizing each slice apart is another update than Muon's (issue 49 builds the gather).
+    for message in run_ranks(_tp_rank, 2):
+        assert "Muon with tensor parallelism" in message, message

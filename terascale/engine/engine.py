@@ -350,9 +350,17 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         self._observe.step_ends(self.get_lr()[0], loss_scale)  # reads the window's loss where it reports
         self._train.reset_window_loss()
         self.activations.log_profile(self._train.global_steps)
-        self._resilience.after_step()
-        if live is not None:
-            live.after_step(self)
+        if live is None:
+            self._resilience.after_step()
+            return
+        with live.gated():
+            agreed = self._resilience.agree_after_step()
+        if not live.interrupted():
+            live.saving(lambda: self._resilience.act_after_step(agreed))
+        if live.interrupted():  # a peer was lost after the update: this step does not stand either
+            live.recover(self)
+            return
+        live.after_step(self)
 
     def _window_samples(self) -> int:
         """Samples the window ending now trained on: the global batch, or where the caller

@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -119,6 +119,17 @@ class LiveElastic:
     def before_update(self) -> None:
         if self.mirror is not None:
             self.mirror.before_update()
+
+    def saving(self, save: Callable[[], None]) -> None:
+        """Run ``save`` (the step's due checkpoint) ungated: a save's commit must never take a
+        failed collective for a finished one. A peer lost during it trips the gate, so the
+        step boundary recovers; the interrupted save was never committed."""
+        try:
+            save()
+        except Exception as err:
+            if not is_communication_error(err):
+                raise
+            self.gate.trip(err)
 
     def interrupted(self) -> bool:
         """Whether this step cannot be applied: a collective failed here or at a peer."""

@@ -78,7 +78,10 @@ def engine_optimizer(
     elif callable(optimizer):
         built = optimizer(groups)
     else:
-        built = build_optimizer(section.type, dict(section.params), groups, group=layout.dist.zero_group)
+        # Muon at stage 0 splits the matrices between ranks that hold the same ones; expert
+        # parallelism gives ranks different experts, so each then orthogonalizes its own.
+        group = None if section.type.lower() == "muon" and layout.experts.groups else layout.dist.zero_group
+        built = build_optimizer(section.type, dict(section.params), groups, group=group)
     if isinstance(built, ReducesOwnGradients):
         own_gradient_reduction(built, config, state, layout)
     state.check_optimizer(built)

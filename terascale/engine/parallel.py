@@ -42,6 +42,7 @@ from terascale.config import Config
 from terascale.engine.model_state import ModelState
 from terascale.moe.groups import ExpertLayout
 from terascale.optim.lamb import Lamb
+from terascale.optim.muon import Muon
 from terascale.parallel.topology import Topology
 from terascale.parallel.slicing import TensorSlice, join_slices, sliced_parameters
 from terascale.parallel.ties import Tie
@@ -103,6 +104,12 @@ class ParallelLayout:
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse what would step tensor-parallel slices wrongly: Lamb's own gradient
         clipping takes the norm of what this rank holds; the engine's is the model's."""
+        if isinstance(optimizer, Muon) and self.sliced:
+            raise ValueError(
+                "Muon with tensor parallelism: Muon orthogonalizes whole matrices, and orthogonalizing each "
+                "tensor-parallel slice apart is a different update; train Muon without tensor parallelism (ZeRO "
+                "shards it at any stage), or use AdamW with it"
+            )
         if isinstance(optimizer, Lamb) and self.sliced and optimizer.clips:
             raise ValueError(
                 "Lamb(max_grad_norm=...) with tensor parallelism clips by the norm of this rank's slices; "

@@ -188,19 +188,31 @@ class Resilience:
 
     def after_step(self) -> None:
         """After an optimizer step: the straggler check, then the saves that are due."""
-        with self.guard():
-            self._after_step()
+        self.act_after_step(self.agree_after_step())
 
-    def _after_step(self) -> None:
+    def agree_after_step(self) -> tuple[bool, bool]:
+        """The collective part of :meth:`after_step` (the straggler check, the flags):
+        (any rank got SIGTERM, a timed save is due). A live elastic job runs it gated, so a
+        peer lost here is a fault like any other ([Note: collectives after a fault])."""
+        with self.guard():
+            step = self._train.global_steps
+            if self._straggler is not None:
+                report = self._straggler.check(step)
+                self._straggler.window_starts(step + 1)
+                if report is not None and self._reporter.reports:
+                    if report.stragglers:
+                        logger.warning(report.describe())
+                    self._reporter.write({"Health/straggler_max_ratio": report.max_ratio})
+            return self._agree_on_flags()
+
+    def act_after_step(self, agreed: tuple[bool, bool]) -> None:
+        """The saves :meth:`agree_after_step` found due (never gated: a save's commit must
+        not see a failed collective as done)."""
+        with self.guard():
+            self._act_after_step(*agreed)
+
+    def _act_after_step(self, signalled: bool, due: bool) -> None:
         step = self._train.global_steps
-        if self._straggler is not None:
-            report = self._straggler.check(step)
-            self._straggler.window_starts(step + 1)
-            if report is not None and self._reporter.reports:
-                if report.stragglers:
-                    logger.warning(report.describe())
-                self._reporter.write({"Health/straggler_max_ratio": report.max_ratio})
-        signalled, due = self._agree_on_flags()
         if signalled:
             self._save_and_exit()
         every = self._config.checkpoint.interval_steps

@@ -578,6 +578,12 @@ class ShardedState:
             self.params.finish_step()
         Regathers(self.groups, self.options.allgather_bucket_numel).finish()
 
+    @property
+    def orthogonalize_seconds(self) -> float:
+        """Muon: the seconds this rank spent orthogonalizing its matrices in the last step
+        (its owner's share, [Note: whole matrices on shards]); 0 for other optimizers."""
+        return sum(plan.seconds for plan in self._exchanges or ())
+
     @functools.cached_property
     def _segments(self) -> Segments:
         """Where each parameter lies in this rank's master pieces (fixed by the layout)."""

@@ -29,6 +29,7 @@ parameters]); ranks that hold none of a group's matrices still take part.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -86,6 +87,7 @@ class MatrixExchange:
         self.parts = self._parts(masters)
         self.options = optimizer.matrix_options()
         self.cost = sum(matrix_cost(m.shape) for m in self.matrices if m.owner == self.rank)
+        self.seconds = 0.0  # the last step's orthogonalizations here (wall clock)
 
     def _range(self, m: Matrix, rank: int) -> tuple[int, int]:
         layout = self._groups[m.group].layout
@@ -139,6 +141,7 @@ class MatrixExchange:
                 starts[r, k] = at
                 at += b - a
         steps, method = self.options
+        started = time.perf_counter()
         for k in mine:
             m = self.matrices[k]
             whole = torch.empty(m.shape.numel(), dtype=torch.float32, device=outbox.device)
@@ -149,6 +152,9 @@ class MatrixExchange:
             for r in range(self.world):
                 a, b = self.held[r][k]
                 inbox[starts[r, k] : starts[r, k] + b - a] = done[a:b]
+        if outbox.device.type != "cpu":
+            torch.accelerator.synchronize(outbox.device)
+        self.seconds = time.perf_counter() - started  # this rank's share, for the balance benchmark
         if self.world > 1:
             ops.all_to_all_single(outbox, inbox, self.send_sizes, self.recv_sizes, group=self.process_group)
         else:

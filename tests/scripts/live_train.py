@@ -102,7 +102,8 @@ def train(args: argparse.Namespace) -> None:
             engine.step()
             if engine.global_steps > before:  # a step was applied: its window is the hashes so far
                 log.write(json.dumps({"step": engine.global_steps, "world": engine.dist.dp_world_size, "pid": pid,
-                                      "epoch": loader.epoch, "time": time.time(), "samples": hashes,
+                                      "epoch": loader.epoch, "membership": _membership_epoch(engine),
+                                      "time": time.time(), "samples": hashes,
                                       "loss": sum(losses) / max(len(losses), 1)}) + "\n")  # fmt: skip
                 hashes, losses = [], []
                 mirror_peak = max(mirror_peak, engine.memory_breakdown()["elastic_mirror"])
@@ -120,6 +121,12 @@ def train(args: argparse.Namespace) -> None:
     (out / f"resizes-{pid}.json").write_text(json.dumps(live.resizes if live is not None else []))
     (out / f"memory-{pid}.json").write_text(json.dumps({**engine.memory_breakdown(), "elastic_mirror_peak": mirror_peak}))
     engine.destroy()
+
+
+def _membership_epoch(engine) -> int:  # noqa: ANN001
+    """The membership epoch the step was trained in (0: not a live elastic rank)."""
+    membership = engine.dist.elastic
+    return 0 if membership is None or membership.epoch is None else membership.epoch.number
 
 
 def reference(args: argparse.Namespace) -> None:
