@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--flush-denormal", action="store_true")
     p.add_argument("--out", default="runs/bench/muon")
+    p.add_argument("--local_rank", type=int, default=-1, help="passed by terascale run")
     return p.parse_args(argv)
 
 
