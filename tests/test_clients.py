@@ -41,6 +41,7 @@ def result(out: Path) -> dict:
     return json.loads((out / "rank0.json").read_text())
 
 
+@pytest.mark.slow  # 4 runs, 40 s: `make test-all`; the tutorial's script stays in `make test` through its MoE mode
 def test_cifar_classifier_at_every_stage_and_precision(tmp_path):
     # The tutorial's stages and precisions; fp32 at stages 0 and 3 must train alike.
     runs = {}
