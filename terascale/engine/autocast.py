@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import logging
 from collections.abc import Iterator
 
 import torch
@@ -23,8 +22,6 @@ from torch import nn
 
 from terascale.config import Config
 from terascale.config.section import TORCH_DTYPES
-
-logger = logging.getLogger("terascale")
 
 # DeepSpeed's default lower_precision_safe_modules.
 SAFE_MODULES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)

@@ -210,20 +210,14 @@ class Muon(torch.optim.Optimizer):
             p.mul_(1.0 - group["lr"] * group["weight_decay"])
             p.add_(d.reshape(p.shape).to(device=p.device, dtype=p.dtype), alpha=-group["lr"])
 
-    def matrix_options(self, param: torch.Tensor | None = None) -> tuple[int, str]:
-        """``(ns_steps, ns_method)`` of Muon tensor ``param``'s group (None: of the first
-        Muon group; at ZeRO stages every Muon group must agree, as in DeepSpeed)."""
-        if param is not None:
-            group = self._group_of()[id(param)]
-            return int(group["ns_steps"]), str(group["ns_method"])
+    def matrix_options(self) -> tuple[int, str]:
+        """``(ns_steps, ns_method)`` of the Muon groups (at ZeRO stages every Muon group
+        must agree, as in DeepSpeed)."""
         muon = [g for g in self.param_groups if g["use_muon"]]
-        found = {(int(g["ns_steps"]), str(g["ns_method"])) for g in muon}
+        found = {_options(g) for g in muon}
         if len(found) > 1:
             raise ValueError(f"Muon's groups at ZeRO stages 1-3 share ns_steps and ns_method; got {sorted(found)}")
         return found.pop() if found else (MUON_DEFAULTS["ns_steps"], MUON_DEFAULTS["ns_method"])
-
-    def is_muon(self, param: torch.Tensor) -> bool:
-        return bool(self._group_of()[id(param)]["use_muon"])
 
     def _adam(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> None:
         state = self.state[p]
@@ -259,7 +253,8 @@ class Muon(torch.optim.Optimizer):
                 )
         world = 1 if self.group is None or not dist.is_initialized() else dist.get_world_size(self.group)
         if world == 1:
-            done = [orthogonalized(d, p.shape, *self.matrix_options(p)) for p, d in todo]
+            group_of = self._group_of()
+            done = [orthogonalized(d, p.shape, *_options(group_of[id(p)])) for p, d in todo]
         else:
             done = self._shared([p for p, _ in todo], [d for _, d in todo], world)
         self.apply_directions([p for p, _ in todo], done)
@@ -270,7 +265,8 @@ class Muon(torch.optim.Optimizer):
         owners = balanced_owners([matrix_cost(p.shape) for p in params], world)
         rank = dist.get_rank(self.group)
         share = [sum(p.numel() for p, o in zip(params, owners) if o == r) for r in range(world)]
-        mine = [orthogonalized(d, p.shape, *self.matrix_options(p)) for p, d, o in zip(params, directions, owners)
+        group_of = self._group_of()
+        mine = [orthogonalized(d, p.shape, *_options(group_of[id(p)])) for p, d, o in zip(params, directions, owners)
                 if o == rank]  # fmt: skip
         device = directions[0].device
         send = torch.zeros(max(share), dtype=torch.float32, device=device)
@@ -284,3 +280,8 @@ class Muon(torch.optim.Optimizer):
             out.append(every[offsets[o] : offsets[o] + p.numel()])
             offsets[o] += p.numel()
         return out
+
+
+def _options(group: dict) -> tuple[int, str]:
+    """``(ns_steps, ns_method)`` of a Muon param group."""
+    return int(group["ns_steps"]), str(group["ns_method"])

@@ -86,7 +86,16 @@ class MatrixExchange:
                            for r in range(self.world)]  # fmt: skip
         self.parts = self._parts(masters)
         self.options = optimizer.matrix_options()
-        self.cost = sum(matrix_cost(m.shape) for m in self.matrices if m.owner == self.rank)
+        # The matrices this rank owns, and where each source rank's part of each starts in
+        # the inbox (by source rank, then by matrix): fixed by the layout.
+        self._mine = [k for k, m in enumerate(self.matrices) if m.owner == self.rank]
+        self._starts: dict[tuple[int, int], int] = {}
+        at = 0
+        for r in range(self.world):
+            for k in self._mine:
+                a, b = self.held[r][k]
+                self._starts[r, k] = at
+                at += b - a
         self.seconds = 0.0  # the last step's orthogonalizations here (wall clock)
 
     def _range(self, m: Matrix, rank: int) -> tuple[int, int]:
@@ -132,17 +141,10 @@ class MatrixExchange:
             ops.all_to_all_single(inbox, outbox, self.recv_sizes, self.send_sizes, group=self.process_group)
         else:
             inbox.copy_(outbox)
-        mine = [k for k, m in enumerate(self.matrices) if m.owner == self.rank]
-        # inbox: by source rank, then by my matrices; gather each matrix whole, in turn.
-        starts, at = {}, 0
-        for r in range(self.world):
-            for k in mine:
-                a, b = self.held[r][k]
-                starts[r, k] = at
-                at += b - a
+        starts = self._starts
         steps, method = self.options
         started = time.perf_counter()
-        for k in mine:
+        for k in self._mine:
             m = self.matrices[k]
             whole = torch.empty(m.shape.numel(), dtype=torch.float32, device=outbox.device)
             for r in range(self.world):
