@@ -8,7 +8,8 @@ import torch
 
 import state_tiers
 from distributed import run_ranks
-from terascale.optim import CompactAdam, build_optimizer, state_bytes_per_element
+from terascale.optim import CompactAdam, build_optimizer
+from terascale.zero.estimate import optimizer_state_bytes
 from terascale.optim.quantize import Code, blocks, decode, encode
 
 # Largest error of one element, as a fraction of its block's maximum: half a step of the
@@ -93,8 +94,8 @@ def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="amsgrad"):
         build_optimizer("AdamW8bit", {"amsgrad": True}, p)
     assert isinstance(build_optimizer("adamw8bit", {"block_size": 128}, p), CompactAdam)
-    assert state_bytes_per_element("AdamW8bit", {}) == pytest.approx(2.03125)
-    assert state_bytes_per_element("AdamW", {}) == 8.0
+    assert optimizer_state_bytes("AdamW8bit", {}) == pytest.approx(2.03125)
+    assert optimizer_state_bytes("AdamW", {}) == 8.0
 
 
 # -- in the engine: every tier, checkpoints, reshards ---------------------------------------

@@ -86,19 +86,24 @@ def _config(stage: int, world: int) -> dict:
 
 
 LAMB = {"type": "Lamb", "params": {"lr": 0.02, "weight_decay": 0.01}}
+MUON = {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 0.01, "weight_decay": 0.01, "momentum": 0.9}}
 
 
-def _reference_run(world: int, moe: dict, lamb: bool = False):
+def _reference_run(world: int, moe: dict, optimizer: str = "sgd"):
     """Losses and final state of the reference trained on every rank's batches at once:
     each window's loss is the mean over ranks of each rank's mean micro-batch loss."""
     import torch
 
+    from muon_reference import ReferenceMuon
     from terascale.optim import Lamb
 
     net = _reference(**moe)
     start = {k: v.clone() for k, v in net.state_dict().items()}
-    if lamb:
+    if optimizer == "lamb":
         opt = Lamb(net.parameters(), **LAMB["params"])
+    elif optimizer == "muon":
+        opt = ReferenceMuon(net, 0.02, 0.01, 0.01, 0.9)
+        opt.zero_grad = net.zero_grad
     else:
         opt = torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9)
     losses = []
@@ -116,7 +121,7 @@ def _reference_run(world: int, moe: dict, lamb: bool = False):
     return start, losses, {k: v.clone() for k, v in net.state_dict().items()}
 
 
-def _moe_rank(stage: int, ep_size: int, moe: dict, lamb: bool = False) -> None:
+def _moe_rank(stage: int, ep_size: int, moe: dict, optimizer: str = "sgd") -> None:
     import torch
     import torch.distributed as dist
 
@@ -125,15 +130,14 @@ def _moe_rank(stage: int, ep_size: int, moe: dict, lamb: bool = False) -> None:
 
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    start, ref_losses, ref_final = _reference_run(world, moe, lamb)
+    start, ref_losses, ref_final = _reference_run(world, moe, optimizer)
     local = E // ep_size
     ep_rank = rank % ep_size  # DeepSpeed's layout: ep groups are consecutive ranks
     torch.manual_seed(1000 + rank)  # different on every rank: initialize must broadcast
     net = _net(ep_size, **moe)
     net.load_state_dict(_local_state(start, ep_rank, local))
     config = _config(stage, world)
-    if lamb:
-        config["optimizer"] = LAMB
+    config["optimizer"] = {"sgd": config["optimizer"], "lamb": LAMB, "muon": MUON}[optimizer]
     engine, *_ = terascale.initialize(model=net, config=config)
     data = _batches(world)
     for step in range(STEPS):
@@ -166,7 +170,16 @@ def test_ep2_inside_four_data_parallel_ranks(stage):
 def test_lamb_trust_ratios_take_each_experts_whole_norm():
     # Lamb's per-parameter norms: a dense parameter's parts are summed over the data-parallel
     # ranks, an expert's over its expert-data-parallel ranks only (the others hold other experts).
-    run_ranks(_moe_rank, 4, 2, 2, {"k": 2, "drop_tokens": False, "top2_2nd_expert_sampling": False}, True,
+    run_ranks(_moe_rank, 4, 2, 2, {"k": 2, "drop_tokens": False, "top2_2nd_expert_sampling": False}, "lamb",
+              timeout=300)  # fmt: skip
+
+
+@pytest.mark.parametrize("world,stage", [(2, 0), (4, 2)])
+def test_muon_orthogonalizes_each_expert_whole_where_it_lives(world, stage):
+    # Stage 0: each rank orthogonalizes its own experts; at ZeRO-2 on 4 ranks an expert's
+    # shards are over its expert-data-parallel pair, the dense matrices' over all four, and
+    # each goes to an owner among the ranks that hold its shards ([Note: whole matrices on shards]).
+    run_ranks(_moe_rank, world, stage, 2, {"k": 2, "drop_tokens": False, "top2_2nd_expert_sampling": False}, "muon",
               timeout=300)  # fmt: skip
 
 

@@ -1,11 +1,7 @@
 """Muon (and AdamW beside it) at every ZeRO stage and offload tier, on 2 and 4 ranks,
-against a single-process reference written from the published algorithm.
-
-The reference is plain PyTorch on the whole global batch: momentum as DeepSpeed keeps it
-(an average, ``m ← βm + (1-β)g``), Nesterov's direction ``(1-β)g + βm``, five quintic
-Newton–Schulz iterations on the short side first, the update scaled by
-``√max(1, rows/cols)``, decoupled weight decay; AdamW (bias-corrected) for the embedding,
-the head, the norm and the biases. The model's matrices have different shapes and the
+against a single-process reference written from the published algorithm
+(``muon_reference.py``), on the whole global batch; AdamW for the embedding, the head, the
+norm and the biases. The model's matrices have different shapes and the
 ZeRO pieces are small, so matrices lie in parts on several ranks and pieces hold parts of
 several matrices ([Note: whole matrices on shards]).
 """
@@ -19,6 +15,7 @@ import torch
 from torch import nn
 
 from distributed import run_ranks
+from muon_reference import ReferenceMuon, orthogonal
 from terascale.optim.muon import balanced_owners, muon_param_groups, newton_schulz, uses_muon
 
 STEPS, GLOBAL, VOCAB, DIM = 4, 4, 24, 16
@@ -49,45 +46,18 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.roll(ids, 1, dims=-1)
 
 
-def orthogonal(g: torch.Tensor) -> torch.Tensor:
-    """Five quintic Newton–Schulz iterations (Jordan et al.), on the short side first."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    x = g.T if g.shape[0] > g.shape[1] else g
-    x = x / (x.norm() + 1e-7)
-    for _ in range(5):
-        s = x @ x.T
-        x = a * x + (b * s + c * s @ s) @ x
-    return x.T if g.shape[0] > g.shape[1] else x
-
-
 def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     net = Net()
     ids, labels = data()
-    state: dict[str, dict] = {n: {} for n, _ in net.named_parameters()}
+    optimizer = ReferenceMuon(net, LR, ADAM_LR, WD, MOMENTUM)
     losses = []
     for s in range(STEPS):
         net.zero_grad()
         loss = net(ids[s], labels[s])
         loss.backward()
         losses.append(float(loss.detach()))
-        with torch.no_grad():
-            for name, p in net.named_parameters():
-                g, st = p.grad, state[name]
-                if p.ndim >= 2 and "embed" not in name and "lm_head" not in name:
-                    m = st.setdefault("m", torch.zeros_like(p))
-                    m.mul_(MOMENTUM).add_(g, alpha=1 - MOMENTUM)
-                    u = (1 - MOMENTUM) * g + MOMENTUM * m
-                    o = orthogonal(u) * max(1.0, p.shape[0] / p.shape[1]) ** 0.5
-                    p.mul_(1 - LR * WD).sub_(LR * o)
-                else:
-                    t = st["t"] = st.get("t", 0) + 1
-                    m = st.setdefault("m", torch.zeros_like(p))
-                    v = st.setdefault("v", torch.zeros_like(p))
-                    m.mul_(0.9).add_(g, alpha=0.1)
-                    v.mul_(0.95).add_(g * g, alpha=0.05)
-                    update = (m / (1 - 0.9**t)) / ((v / (1 - 0.95**t)).sqrt() + 1e-10)
-                    p.mul_(1 - ADAM_LR * WD).sub_(ADAM_LR * update)
+        optimizer.step()
     return losses, {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
@@ -130,6 +100,10 @@ def train(world: int, cases: list[tuple[int, dict]], steps: range = range(STEPS)
             engine.save_checkpoint(save)
         held = {use: sum(p.numel() for g in optimizer.param_groups if g["use_muon"] == use for p in g["params"])
                 for use in (True, False)}  # fmt: skip
+        # In memory now: the momenta's elements, and the dimensions of the other state held.
+        states = optimizer.state.values()
+        held["momenta"] = sum(st["momentum_buffer"].numel() for st in states if "momentum_buffer" in st)
+        held["other"] = {t.dim() for st in states for k, t in st.items() if k != "momentum_buffer" and t.numel()}
         out.append((losses, engine.full_state_dict(), engine.memory_breakdown()["optimizer_state"], held))
         engine.destroy()
     return out
@@ -149,12 +123,17 @@ def _check(world: int, cases: list[tuple[int, dict]], results: list) -> None:
             assert sum(r[i][3][True] for r in results) == MATRIX_NUMEL
             for r in results:
                 assert r[i][2] == 4 * r[i][3][True] + 8 * r[i][3][False], (case, r[i][2:])
+        if extra.get("save_muon_momentum_buffer_in_memory"):
+            # The momenta in memory, Adam's moments on NVMe (only its 0-d step counters here).
+            assert sum(r[i][3]["momenta"] for r in results) == MATRIX_NUMEL
+            assert all(r[i][3]["other"] == {0} for r in results), [r[i][3] for r in results]
 
 
 def test_muon_matches_the_reference_at_every_stage_and_tier_on_two_ranks(tmp_path) -> None:
     nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
     cases = [(0, {"ns": "standard"}), (1, {}), (2, {}), (3, {"ns": "standard"}),
-             (2, {"offload_optimizer": {"device": "cpu"}}), (3, {"offload_optimizer": nvme})]  # fmt: skip
+             (2, {"offload_optimizer": {"device": "cpu"}}), (3, {"offload_optimizer": nvme}),
+             (2, {"offload_optimizer": nvme, "save_muon_momentum_buffer_in_memory": True})]  # fmt: skip
     _check(2, cases, run_ranks(train, 2, 2, cases))
 
 
@@ -185,10 +164,27 @@ def test_parameters_are_split_by_deepspeeds_rule_and_owners_balance() -> None:
     assert max(loads) == 9 and min(loads) == 9
 
 
+def test_the_planner_counts_one_buffer_for_muons_share_and_two_for_adams() -> None:
+    from terascale.plan import plan
+    from terascale.zero.estimate import estimate_memory
+
+    net = Net()
+    numel = sum(p.numel() for p in net.parameters())
+    state = 4 * MATRIX_NUMEL + 8 * (numel - MATRIX_NUMEL)  # what memory_breakdown() shows (the tests above)
+    for stage in (1, 2, 3):
+        parts = plan(net, config(2, stage, {}), world=2).chosen.parts
+        (found,) = [p.bytes for p in parts if p.category == "optimizer states"]
+        assert found == state / 2, (stage, found)  # fp32 training: the shards are the masters
+    rows = {(r.stage, r.offload_optimizer): r for r in estimate_memory(net, 2, offload=("none",), optimizer="Muon")}
+    assert rows[(3, "none")].device == pytest.approx((4 * numel + 4 * numel + state) / 2)  # + 2-byte params, grads
+
+
 def test_muon_state_resumes_exactly_on_another_world_size_and_stage(tmp_path) -> None:
-    # Two steps on 2 ranks at ZeRO-2 (host offload), the last two from its checkpoint on 4 ranks
-    # at ZeRO-3 and on 1 rank at stage 0: momenta and Adam's moments carried by value.
-    run_ranks(train, 2, 2, [(2, {"offload_optimizer": {"device": "cpu"}})], range(2), None, str(tmp_path / "c"))
+    # Two steps on 2 ranks at ZeRO-2 (on NVMe, the momenta in memory), the last two from its
+    # checkpoint on 4 ranks at ZeRO-3 and on 1 rank at stage 0: momenta and Adam's moments
+    # carried by value.
+    nvme = {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}, "save_muon_momentum_buffer_in_memory": True}
+    run_ranks(train, 2, 2, [(2, nvme)], range(2), None, str(tmp_path / "c"))
     _, ref_state = reference()
     for world, stage in ((4, 3), (1, 0)):
         (result,) = run_ranks(train, world, world, [(stage, {})], range(2, STEPS), str(tmp_path / "c"))[0]
@@ -235,24 +231,3 @@ def test_published_muon_configs_train_unchanged() -> None:
     for muon, kinds, steps, changed in run_ranks(train_published, 2, 2, [Z2_MUON, DS_UNIT])[0]:
         assert muon and kinds == [False, True] and steps == 3
         assert "up.weight" in changed and "embed.weight" in changed and "lm_head.weight" in changed, changed
-
-
-def _tp_rank() -> str:
-    import transformers
-
-    import terascale
-
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4,
-                                                                 n_positions=16))  # fmt: skip
-    config = {"train_batch_size": 2, "optimizer": {"type": "Muon"}, "tensor_parallel": {"autotp_size": 2}}
-    try:
-        terascale.initialize(model=model, config=config)
-    except ValueError as err:
-        return str(err)
-    return "accepted"
-
-
-def test_muon_with_tensor_parallel_slices_is_refused_until_whole_matrices_are_gathered() -> None:
-    # Orthogonalizing each slice apart is another update than Muon's (issue 49 builds the gather).
-    for message in run_ranks(_tp_rank, 2):
-        assert "Muon with tensor parallelism" in message, message

@@ -461,7 +461,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
             multiplier = torch.tensor(1.0 / scale, device=self.device)
             if clip > 0:
                 multiplier = multiplier * clip_coefficient(clip, norm)
-            self._state.step(self.optimizer, multiplier, self._layout.sum_norms)
+            self._state.step(self.optimizer, multiplier, self._layout.sum_norms, self._layout.orthogonalize)
             if scheduler and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self._state.zero_grad()

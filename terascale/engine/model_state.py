@@ -68,6 +68,7 @@ from terascale.engine.precision import MasterWeights, PrecisionPolicy
 from terascale.moe.groups import ExpertGroups, ExpertLayout
 from terascale.offload.aio import IoActivity, io_traffic
 from terascale.optim.lamb import Lamb
+from terascale.optim.muon import Muon, Orthogonalize
 from terascale.optim.onebit import ReducesOwnGradients
 from terascale.zero.flat_group import FlatLayout
 from terascale.zero.init import materialize
@@ -89,9 +90,12 @@ class ModelState(Protocol):
 
     def sum_grads(self, params: Sequence[nn.Parameter], group: ProcessGroup) -> None: ...
 
-    def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor, sum_norms: SumNorms | None = None) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor, sum_norms: SumNorms | None = None,
+             orthogonalize: Orthogonalize | None = None) -> None:  # fmt: skip
         """Unscale/clip the window's gradients by ``multiplier`` and step. ``sum_norms``
-        completes per-parameter norms that other ranks hold parts of (see ``SumNorms``)."""
+        completes per-parameter norms that other ranks hold parts of (see ``SumNorms``);
+        ``orthogonalize`` is Muon's, of matrices that other ranks hold slices of ([Note:
+        whole matrices across tensor-parallel slices])."""
 
     def step_in_backward(self, optimizer: torch.optim.Optimizer, begin: Callable[[], torch.Tensor]) -> None:
         """Step ``optimizer`` under each window's last backward where the gradients are
@@ -262,7 +266,8 @@ class ReplicatedState:
             assert grad is not None, "a tied parameter has no gradient in this window"
             comm_ops.all_reduce(grad, group=group)
 
-    def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor, sum_norms: SumNorms | None = None) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor, sum_norms: SumNorms | None = None,
+             orthogonalize: Orthogonalize | None = None) -> None:  # fmt: skip
         self._finish()
         grads = self._grads()
         if grads:
@@ -271,6 +276,11 @@ class ReplicatedState:
             # Lamb steps the masters; the rows are summed by the model parameters they stand for.
             model_of = self._model_param_of_master
             optimizer.step(sum_norms=lambda rows, masters: sum_norms(rows, [model_of[id(m)] for m in masters]))
+        elif isinstance(optimizer, Muon) and orthogonalize is not None:
+            # Muon steps the masters; the slices are those of the model parameters they stand for.
+            model_of = self._model_param_of_master
+            optimizer.step(orthogonalize=lambda tasks: orthogonalize(
+                [dataclasses.replace(t, param=model_of[id(t.param)]) for t in tasks]))  # fmt: skip
         else:
             optimizer.step()
         self._masters.copy_to_model()

@@ -42,8 +42,9 @@ from terascale.config import Config
 from terascale.engine.model_state import ModelState
 from terascale.moe.groups import ExpertLayout
 from terascale.optim.lamb import Lamb
-from terascale.optim.muon import Muon
+from terascale.optim.muon import Orthogonalize
 from terascale.parallel.topology import Topology
+from terascale.parallel.sliced_matrices import SlicedOrthogonalizer
 from terascale.parallel.slicing import TensorSlice, join_slices, sliced_parameters
 from terascale.parallel.ties import Tie
 from terascale.zero.optimizers import SumNorms
@@ -75,6 +76,7 @@ class ParallelLayout:
     dist: DistributedContext
     slices: dict[str, TensorSlice] = field(default_factory=dict)  # model_slices(), found once
     sliced: frozenset[int] = frozenset()  # ids of the parameters named in ``slices``
+    slice_of: dict[int, TensorSlice] = field(default_factory=dict)  # ``slices`` by parameter id
     skip: frozenset[int] = frozenset()
     ties: tuple[Tie, ...] = ()
     classes: dict[int, Hashable] = field(default_factory=dict)
@@ -98,23 +100,27 @@ class ParallelLayout:
                 classes[id(p)] = (TIED, tie.key)
                 if not tie.owner:
                     skip.add(id(p))
-        sliced = frozenset(id(p) for name, p in module.named_parameters() if name in slices)
-        return ParallelLayout(dist_ctx, slices, sliced, frozenset(skip), ties, classes, experts)
+        slice_of = {id(p): slices[name] for name, p in module.named_parameters() if name in slices}
+        return ParallelLayout(dist_ctx, slices, frozenset(slice_of), slice_of, frozenset(skip), ties, classes, experts)
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse what would step tensor-parallel slices wrongly: Lamb's own gradient
         clipping takes the norm of what this rank holds; the engine's is the model's."""
-        if isinstance(optimizer, Muon) and self.sliced:
-            raise ValueError(
-                "Muon with tensor parallelism: Muon orthogonalizes whole matrices, and orthogonalizing each "
-                "tensor-parallel slice apart is a different update; train Muon without tensor parallelism (ZeRO "
-                "shards it at any stage), or use AdamW with it"
-            )
         if isinstance(optimizer, Lamb) and self.sliced and optimizer.clips:
             raise ValueError(
                 "Lamb(max_grad_norm=...) with tensor parallelism clips by the norm of this rank's slices; "
                 "set max_grad_norm=0 and the config's gradient_clipping, which clips by the whole model's norm"
             )
+
+    @property
+    def orthogonalize(self) -> Orthogonalize | None:
+        """Muon's orthogonalization of whole matrices from their tensor-parallel slices
+        ([Note: whole matrices across tensor-parallel slices]); None without tensor
+        parallelism (each matrix is then whole on its rank)."""
+        if self.dist.mp_world_size == 1:
+            return None
+        ctx = self.dist
+        return SlicedOrthogonalizer(self.slice_of, ctx.mp_group, ctx.tp_rank, ctx.mp_world_size)
 
     @property
     def sum_norms(self) -> SumNorms | None:

@@ -4,8 +4,8 @@
 The optimizer steps this rank's masters one *run* at a time (a run is at most
 ``sub_group_size`` elements, see ``[Note: master pieces]``). With
 ``offload_optimizer.device: nvme`` a run's masters and every tensor of its optimizer
-state (Adam's two moments; whatever the optimizer keeps, except 0-d step counters) live
-in one swap file per run and rank, laid out as 4 KiB-aligned segments. Between steps the
+state (Adam's two moments; whatever the optimizer keeps, except 0-d step counters and
+the entries asked to stay in memory) live in one swap file per run and rank, laid out as 4 KiB-aligned segments. Between steps the
 master ``nn.Parameter`` objects and the optimizer's state entries hold empty
 placeholders; the step swaps a run in by reading its file into a pooled aligned buffer
 and pointing the masters' ``.data`` and the state entries at views of it, so the
@@ -42,7 +42,7 @@ run as each run's gradients become final (:meth:`step_one`, reads ahead in that 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,8 +108,12 @@ class OptimizerSwapper:
         pin_memory: bool = False,
         create_run: Callable[[list[int]], None] | None = None,
         state_bytes: float = 8.0,
+        in_memory_state: Collection[str] = (),
     ) -> None:
+        """``in_memory_state``: keys of optimizer state that stay in memory where the
+        optimizer made them, out of the files (Muon's momentum, when asked)."""
         self.masters = masters
+        self.in_memory_state = frozenset(in_memory_state)
         self.runs = [list(r) for r in runs]
         self.directory = directory
         self.aio = aio
@@ -285,7 +289,7 @@ class OptimizerSwapper:
             m = self.masters.masters[i]
             entries.append((i, MASTER_KEY, m.data))
             for key, value in optimizer.state.get(m, {}).items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and key not in self.in_memory_state:
                     entries.append((i, key, value))
         if all((i, key) in known for i, key, _ in entries):
             return buf

@@ -43,6 +43,9 @@ class OptimizerOffload(_Tier):
     buffer_count: int = 4
     ratio: float = 1.0
     state_bytes: float = 8.0  # optimizer state per element beside the master (Adam: 8)
+    # state entries kept in memory, not in the NVMe swap files (Muon's momentum with
+    # zero_optimization.save_muon_momentum_buffer_in_memory, as in DeepSpeed)
+    in_memory_state: tuple[str, ...] = ()
     overlap_step: bool = False  # the step behind the next window ([Note: the overlapped host step])
     overlap_step_warmup: int = 0  # steps taken synchronously first
 
@@ -64,14 +67,17 @@ class ParamOffload(_Tier):
 
 def optimizer_offload(config: object) -> OptimizerOffload:
     """The :class:`OptimizerOffload` a validated :class:`terascale.config.Config` asks for."""
-    from terascale.optim.factory import state_bytes_per_element
+    from terascale.optim.muon import MOMENTUM_KEY
+    from terascale.zero.estimate import optimizer_state_bytes
 
     policy = _policy(OptimizerOffload, config.zero_optimization.offload_optimizer, config.aio, ("ratio", "overlap_step", "overlap_step_warmup"))
     section = config.optimizer
-    state = state_bytes_per_element(section.type if section else None, section.params if section else None)
+    state = optimizer_state_bytes(section.type if section else None, section.params if section else None)
     if config.bf16.states_in_bf16:
         state /= 2  # [Note: bf16 masters and optimizer states]: Adam's moments in bf16
-    return dataclasses.replace(policy, state_bytes=state)
+    muon = section is not None and section.type.lower() == "muon"
+    in_memory = (MOMENTUM_KEY,) if muon and config.zero_optimization.save_muon_momentum_buffer_in_memory else ()
+    return dataclasses.replace(policy, state_bytes=state, in_memory_state=in_memory)
 
 
 def param_offload(config: object) -> ParamOffload:

@@ -7,7 +7,6 @@ from terascale.optim.factory import (
     SUPPORTED_SCHEDULERS,
     build_optimizer,
     build_scheduler,
-    state_bytes_per_element,
 )
 from terascale.optim.lamb import Lamb
 from terascale.optim.lion import Lion
@@ -35,5 +34,4 @@ __all__ = [
     "ZeroOneAdam",
     "build_optimizer",
     "build_scheduler",
-    "state_bytes_per_element",
 ]

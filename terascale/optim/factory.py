@@ -282,23 +282,6 @@ def _muon(groups: list[Any], options: dict[str, Any], group: ProcessGroup | None
     return Muon(out, group=group)
 
 
-def state_bytes_per_element(name: str | None, params: Mapping[str, Any] | None = None) -> float:
-    """Bytes of optimizer state per trained element besides its fp32 master, for the
-    optimizer a config's ``optimizer`` section names (None: a client optimizer, counted as
-    Adam): Adam's two fp32 moments are 8, the 8-bit ones 2 plus a 4-byte scale per block."""
-    key = str(name or "adam").lower()
-    params = params or {}
-    if key in ("adam8bit", "adamw8bit"):
-        return 2.0 + 8.0 / int(params.get("block_size", _COMPACT.defaults["block_size"]))
-    if key == "sgd":
-        return 4.0 if float(params.get("momentum", 0.0)) else 0.0
-    if key == "lion":
-        return 4.0
-    if key == "muon":
-        return 4.0  # its matrices' one momentum buffer (AdamW's two on the embeddings, head and vectors)
-    return 8.0
-
-
 def build_scheduler(name: str, params: Mapping[str, Any] | None, optimizer: Any) -> LRSchedule:
     """Create the LR schedule a DeepSpeed config's ``scheduler`` section describes.
 

@@ -22,7 +22,8 @@ terascale's ``nesterov`` and ``ns_steps``. Which parameters are Muon's: DeepSpee
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ MUON_DEFAULTS = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.0, "ns_method":
                  "ns_steps": 5}  # fmt: skip
 ADAM_DEFAULTS = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay": 0.0}
 _NOT_MUON = ("embed", "lm_head")
+MOMENTUM_KEY = "momentum_buffer"  # a Muon tensor's state
 
 
 def uses_muon(name: str, param: torch.Tensor) -> bool:
@@ -72,6 +74,15 @@ def muon_param_groups(module: nn.Module, groups: Sequence[dict]) -> list[dict]:
             if params:
                 out.append({**group, "params": params, "use_muon": use})
     return out
+
+
+def muon_share(module: nn.Module) -> float:
+    """The share of ``module``'s trained elements that Muon steps (:func:`muon_param_groups`'
+    rule); the rest are AdamW's. Sizes Muon's state: one buffer on this share, two on the rest."""
+    groups = muon_param_groups(module, [{"params": [p for p in module.parameters() if p.requires_grad]}])
+    numel = {use: sum(p.numel() for g in groups if g["use_muon"] == use for p in g["params"]) for use in (True, False)}
+    total = numel[True] + numel[False]
+    return numel[True] / total if total else 0.0
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5, method: str = "gram") -> torch.Tensor:
@@ -119,6 +130,30 @@ def orthogonalized(update: torch.Tensor, shape: torch.Size, steps: int, method: 
     matrix = update.reshape(shape[0], -1).to(torch.float32)
     rows, cols = matrix.shape
     return (newton_schulz(matrix, steps, method) * max(1.0, rows / cols) ** 0.5).reshape(-1)
+
+
+@dataclass(frozen=True, eq=False)
+class MatrixTask:
+    """One matrix to orthogonalize: the model parameter it steps (under tensor parallelism
+    this rank's slice of it, which stands for the whole), this rank's shape of it, its
+    direction (flat, fp32) and its Newton–Schulz options."""
+
+    param: torch.Tensor
+    shape: torch.Size
+    direction: torch.Tensor
+    steps: int
+    method: str
+
+
+# The orthogonalized direction of each task, flat and of the task's shape: one matrix at a
+# time here (orthogonalize_each), or whole matrices gathered from their tensor-parallel
+# slices (terascale.parallel.sliced_matrices). Collective where the latter.
+Orthogonalize = Callable[[Sequence[MatrixTask]], list[torch.Tensor]]
+
+
+def orthogonalize_each(tasks: Sequence[MatrixTask]) -> list[torch.Tensor]:
+    """Every task's matrix as it is (no tensor parallelism): :func:`orthogonalized`."""
+    return [orthogonalized(t.direction, t.shape, t.steps, t.method) for t in tasks]
 
 
 def matrix_cost(shape: torch.Size) -> int:
@@ -174,26 +209,31 @@ class Muon(torch.optim.Optimizer):
         return {id(p): g for g in self.param_groups for p in g["params"]}
 
     @torch.no_grad()
-    def directions(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-        """For each of ``params`` (with ``.grad``): a Muon tensor's momentum is updated and
-        its update direction before orthogonalization returned (Nesterov's, by default);
-        an AdamW tensor is stepped whole, and None returned for it."""
+    def directions(
+        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None = None
+    ) -> list[torch.Tensor | None]:
+        """For each of ``params`` and its gradient (``grads``, default each ``.grad``): a
+        Muon tensor's momentum is updated and its update direction before
+        orthogonalization returned (Nesterov's, by default); an AdamW tensor is stepped
+        whole, and None returned for it. A Muon tensor's own values are not read (they
+        may be swapped out: [Note: whole matrices on shards])."""
         group_of = self._group_of()
         out: list[torch.Tensor | None] = []
-        for p in params:
+        for k, p in enumerate(params):
             group = group_of[id(p)]
-            if p.grad is None:
+            given = p.grad if grads is None else grads[k]
+            if given is None:
                 out.append(None)
                 continue
-            grad = p.grad.to(p.dtype)
+            grad = given.to(p.dtype)
             if not group["use_muon"]:
                 self._adam(group, p, grad)
                 out.append(None)
                 continue
             state = self.state[p]
             if not state:
-                state["momentum_buffer"] = torch.zeros_like(p)
-            m = state["momentum_buffer"]
+                state[MOMENTUM_KEY] = torch.zeros_like(grad)
+            m = state[MOMENTUM_KEY]
             m.lerp_(grad, 1.0 - group["momentum"])
             out.append(grad.lerp(m, group["momentum"]) if group["nesterov"] else m.clone())
         return out
@@ -238,8 +278,11 @@ class Muon(torch.optim.Optimizer):
     # -- whole tensors ----------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        """One step on whole tensors: every Muon tensor must be a matrix (or a filter)."""
+    def step(self, closure: Any = None, orthogonalize: Orthogonalize | None = None) -> Any:
+        """One step on whole tensors: every Muon tensor must be a matrix (or a filter).
+        ``orthogonalize``: how its matrices are orthogonalized, given each one's parameter
+        of the model (default: each as it is; the engine passes the tensor-parallel
+        gathering one, [Note: whole matrices across tensor-parallel slices])."""
         loss = evaluate(closure)
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         directions = self.directions(params)
@@ -251,24 +294,24 @@ class Muon(torch.optim.Optimizer):
                     "matrices; at ZeRO stages the engine gives it whole matrices itself (use its config 'optimizer' "
                     "section, or mark 1-d parameters use_muon=False)"
                 )
+        group_of = self._group_of()
+        tasks = [MatrixTask(p, p.shape, d, *_options(group_of[id(p)])) for p, d in todo]
+        run = orthogonalize or orthogonalize_each
         world = 1 if self.group is None or not dist.is_initialized() else dist.get_world_size(self.group)
-        if world == 1:
-            group_of = self._group_of()
-            done = [orthogonalized(d, p.shape, *_options(group_of[id(p)])) for p, d in todo]
-        else:
-            done = self._shared([p for p, _ in todo], [d for _, d in todo], world)
+        done = run(tasks) if world == 1 else self._shared(tasks, world, run)
         self.apply_directions([p for p, _ in todo], done)
         return loss
 
-    def _shared(self, params: list[torch.Tensor], directions: list[torch.Tensor], world: int) -> list[torch.Tensor]:
-        """Each matrix orthogonalized by its owner rank; one all-gather gives everyone all."""
-        owners = balanced_owners([matrix_cost(p.shape) for p in params], world)
+    def _shared(self, tasks: list[MatrixTask], world: int, run: Orthogonalize) -> list[torch.Tensor]:
+        """Each matrix orthogonalized by its owner rank; one all-gather gives everyone all
+        (every rank of the group holds the same matrices, so has the same ``tasks``)."""
+        if not tasks:
+            return []
+        owners = balanced_owners([matrix_cost(t.shape) for t in tasks], world)
         rank = dist.get_rank(self.group)
-        share = [sum(p.numel() for p, o in zip(params, owners) if o == r) for r in range(world)]
-        group_of = self._group_of()
-        mine = [orthogonalized(d, p.shape, *_options(group_of[id(p)])) for p, d, o in zip(params, directions, owners)
-                if o == rank]  # fmt: skip
-        device = directions[0].device
+        share = [sum(t.shape.numel() for t, o in zip(tasks, owners) if o == r) for r in range(world)]
+        mine = run([t for t, o in zip(tasks, owners) if o == rank])
+        device = tasks[0].direction.device
         send = torch.zeros(max(share), dtype=torch.float32, device=device)
         if mine:
             torch.cat(mine, out=send[: share[rank]])
@@ -276,9 +319,9 @@ class Muon(torch.optim.Optimizer):
         ops.all_gather_into_tensor(every, send, group=self.group)
         offsets = [r * max(share) for r in range(world)]
         out = []
-        for p, o in zip(params, owners):
-            out.append(every[offsets[o] : offsets[o] + p.numel()])
-            offsets[o] += p.numel()
+        for t, o in zip(tasks, owners):
+            out.append(every[offsets[o] : offsets[o] + t.shape.numel()])
+            offsets[o] += t.shape.numel()
         return out
 
 

@@ -171,7 +171,7 @@ def _candidates(
 ) -> tuple[Choices, list[Candidate]]:  # fmt: skip
     has_blocks = any(name for name in wrapped_modules(model, wrap or WrapPolicy()))
     choices = choices_from_config(cfg, autos, machine.world, has_device=machine.has_device, has_blocks=has_blocks)
-    return choices, enumerate_candidates(profile, machine, knobs_from_config(cfg), choices, runtime, timed=timed)
+    return choices, enumerate_candidates(profile, machine, knobs_from_config(cfg, model), choices, runtime, timed=timed)
 
 
 def _decision(choices: Choices, candidates: list[Candidate], machine: Machine, margin: float) -> Decision:

@@ -26,7 +26,10 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Any
 
+from torch import nn
+
 from terascale.config.auto import PLANNED_KEYS
+from terascale.optim.muon import muon_share
 from terascale.plan.machine import Machine
 from terascale.plan.memory import Knobs, Part, Shape, predict, totals
 from terascale.plan.profile import ModelProfile
@@ -82,8 +85,9 @@ class Candidate:
                 f"accumulation, checkpointing {s.policy}")  # fmt: skip
 
 
-def knobs_from_config(cfg: Any) -> Knobs:
-    """The :class:`Knobs` of a loaded :class:`terascale.config.Config`."""
+def knobs_from_config(cfg: Any, model: nn.Module | None = None) -> Knobs:
+    """The :class:`Knobs` of a loaded :class:`terascale.config.Config` (and of ``model``,
+    where the optimizer's state depends on which parameters it steps how: Muon's)."""
     zero = cfg.zero_optimization
     opt = cfg.optimizer
     name = opt.type if opt is not None else "Adam"
@@ -102,7 +106,8 @@ def knobs_from_config(cfg: Any) -> Knobs:
         param_buffers=zero.offload_param.buffer_count if zero.offload_param else 5,
         max_in_cpu=_max_in_cpu(cfg),
         accum_bytes=None if accum is None else {"fp32": 4, "fp16": 2, "bf16": 2}[accum],
-        state_bytes=optimizer_state_bytes(name, opt.params if opt is not None else None) / (2 if bf16.states_in_bf16 else 1),
+        state_bytes=optimizer_state_bytes(name, opt.params if opt is not None else None,
+                                          1.0 if model is None else muon_share(model)) / (2 if bf16.states_in_bf16 else 1),
         master_bytes=2 if bf16.masters_in_bf16 else 4,
         optimizer=name,
         early_step=_early_step(cfg, name),

@@ -20,7 +20,9 @@ the gradient buckets in flight.
 The 12 bytes of optimizer state are Adam's: the fp32 master (4) and two fp32 moments (8).
 Other optimizers keep other state (:func:`optimizer_state_bytes`): 8-bit Adam's moments
 are one byte each plus an fp32 scale per block of 256 (2.03 bytes), SGD with momentum
-keeps one fp32 buffer (4), plain SGD none. ``estimate_memory(optimizer=...)`` and the
+keeps one fp32 buffer (4), plain SGD none, Lion one momentum (4); Muon one momentum for the
+share of elements it steps (the hidden matrices) and AdamW's two for the rest, so
+4·f + 8·(1 - f) with f that share of the model's. ``estimate_memory(optimizer=...)`` and the
 planner (``terascale.plan``) put K = 4 + that in place of 12: stage 1 is 4Ψ + KΨ/N, and
 so on; an offloaded optimizer adds its fp32 gradient copy (4Ψ/N) as above.
 """
@@ -33,24 +35,31 @@ from typing import Any
 
 from torch import nn
 
+from terascale.optim.muon import muon_share
+
 _GIB = 2**30
 MASTER_BYTES = 4  # the fp32 master copy of each parameter the optimizer steps
 
 # Bytes of state per parameter, besides the master, by optimizer type (lower case).
 _STATE_BYTES: dict[str, float] = {
     "adam": 8.0, "adamw": 8.0, "lamb": 8.0, "onebitadam": 8.0, "zerooneadam": 8.0, "onebitlamb": 8.0,
-    "adagrad": 4.0, "lion": 4.0, "muon": 4.0, "musgd": 4.0, "muadam": 8.0, "muadamw": 8.0,
+    "adagrad": 4.0, "lion": 4.0, "musgd": 4.0, "muadam": 8.0, "muadamw": 8.0,
 }
 _COMPACT = ("adam8bit", "adamw8bit")
 
 
-def optimizer_state_bytes(optimizer_type: str | None = "Adam", params: Mapping[str, Any] | None = None) -> float:
+def optimizer_state_bytes(optimizer_type: str | None = "Adam", params: Mapping[str, Any] | None = None,
+                          muon_share: float = 1.0) -> float:  # fmt: skip
     """Bytes of optimizer state per parameter besides the fp32 master, for the optimizer
     ``optimizer_type`` (a config's ``optimizer.type``, or a torch optimizer's class name)
     with ``params`` (its config ``params``): Adam 8, 8-bit Adam 2 + 8/block_size (2.03),
-    SGD 4 with momentum and 0 without. An unknown or missing type counts as Adam."""
+    SGD 4 with momentum and 0 without, Muon 4 on the ``muon_share`` of the elements it
+    steps and 8 (AdamW's) on the rest (``terascale.optim.muon.muon_share`` of a model).
+    An unknown or missing type counts as Adam."""
     key = (optimizer_type or "adam").lower()
     params = params or {}
+    if key == "muon":
+        return 4.0 * muon_share + 8.0 * (1.0 - muon_share)
     if key in _COMPACT:
         block = int(params.get("block_size", 256) or 256)
         return 2.0 + 2 * 4.0 / block  # one byte per moment, an fp32 absmax per block of each
@@ -145,7 +154,8 @@ def estimate_memory(
     ``largest_layer_params`` (default: the largest child of a model, else Ψ/10) sizes
     the stage-3 working set. Optimizer offload applies to stages 1-3, parameter offload
     to stage 3 only, as in DeepSpeed. ``optimizer`` (a config's ``optimizer.type``, with
-    its ``optimizer_params``) sizes the optimizer state (:func:`optimizer_state_bytes`).
+    its ``optimizer_params``) sizes the optimizer state (:func:`optimizer_state_bytes`;
+    Muon's by the share of a model's elements it steps, all of them for a bare count).
     """
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
@@ -154,7 +164,8 @@ def estimate_memory(
         raise ValueError(f"the number of parameters must be positive, got {psi}")
     largest = largest_layer_params or largest or psi // 10
     n = world
-    state = optimizer_state_bytes(optimizer, optimizer_params)
+    share = muon_share(model_or_num_params) if isinstance(model_or_num_params, nn.Module) else 1.0
+    state = optimizer_state_bytes(optimizer, optimizer_params, share)
     zero = model_state_bytes(psi, n, 0, state_bytes=state)
     out = [MemoryEstimate(0, "none", "none", zero.total, 0, 0, 0)]
     for stage in (1, 2, 3):

@@ -147,16 +147,25 @@ class RunStep:
         return shard[piece.lo : piece.hi] if shard.device.type == "cpu" else None
 
 
+def scaled_grads(
+    masters: ShardedMasters, run: list[int], pieces: Sequence[torch.Tensor], multiplier: torch.Tensor
+) -> list[torch.Tensor]:
+    """``run``'s fp32 gradients ``pieces × multiplier``, made on the masters' device (in
+    one copy on an offload tier; in place where ``pieces`` are fp32 there already)."""
+    tensors = masters.masters
+    grads = [g.to(device=tensors[i].device, dtype=torch.float32) for i, g in zip(run, pieces)]
+    torch._foreach_mul_(grads, multiplier.to(tensors[run[0]].device))
+    return grads
+
+
 @contextlib.contextmanager
 def masters_with_grads(
     masters: ShardedMasters, run: list[int], pieces: Sequence[torch.Tensor], multiplier: torch.Tensor
 ) -> Iterator[None]:
-    """Run ``run``'s masters with their fp32 gradients ``pieces × multiplier`` (made on the
-    masters' device, in one copy on an offload tier) while the body steps them."""
+    """Run ``run``'s masters with their fp32 gradients ``pieces × multiplier``
+    (:func:`scaled_grads`) while the body steps them."""
     tensors = masters.masters
-    grads = [g.to(device=tensors[i].device, dtype=torch.float32) for i, g in zip(run, pieces)]
-    torch._foreach_mul_(grads, multiplier.to(tensors[run[0]].device))
-    for i, grad in zip(run, grads):
+    for i, grad in zip(run, scaled_grads(masters, run, pieces, multiplier)):
         tensors[i].grad = grad
     try:
         yield

@@ -37,7 +37,7 @@ from terascale.offload.policy import ParamOffload, can_pin_memory
 from terascale.offload.swap import SwapDirectory
 from terascale.offload.transfer import GradientsAhead, HostStepTransfers
 from terascale.optim.lamb import Lamb
-from terascale.optim.muon import Muon
+from terascale.optim.muon import MOMENTUM_KEY, Muon, Orthogonalize, orthogonalize_each
 from terascale.optim.rounding import StochasticRounding
 from terascale.zero.flat_group import FlatParamGroup, FullBuffers, ShardState, keeps_full_buffers
 from terascale.zero.gather import owner_of, register_owner, unregister
@@ -54,7 +54,7 @@ from terascale.zero.masters import NVME_RUN_SPLIT_NUMEL, RUN_SPLIT_NUMEL, Master
 from terascale.zero.optimizers import Segments, SumNorms, check_shardable
 from terascale.zero.whole_matrices import MatrixExchange, exchanges, step_muon
 from terascale.zero.overlap_step import OverlappedStep
-from terascale.zero.run_step import Regathers, RunStep, masters_with_grads
+from terascale.zero.run_step import Regathers, RunStep, masters_with_grads, scaled_grads
 from terascale.zero.schedule import ParamSchedule, SchedulePolicy
 from terascale.zero.state_io import sharded_grad_slices, sharded_slices
 from terascale.zero.wrap import GroupPlan, WrapPolicy, plan_groups
@@ -313,6 +313,7 @@ class ShardedState:
         swapper = OptimizerSwapper(
             masters, offloaded, directory, self.swap_io, tier.buffer_count, pin_memory=tier.pin_memory,
             create_run=lambda run: self._create_masters(masters, run), state_bytes=tier.state_bytes,
+            in_memory_state=tier.in_memory_state,
         )  # fmt: skip
         return masters, swapper
 
@@ -411,9 +412,11 @@ class ShardedState:
     def _groups_of(self, ids: Collection[int]) -> set[int]:
         return {self._group_of[i] for i in ids if i in self._group_of}
 
-    def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor, sum_norms: SumNorms | None = None) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, multiplier: torch.Tensor, sum_norms: SumNorms | None = None,
+             orthogonalize: Orthogonalize | None = None) -> None:  # fmt: skip
         """Unscale/clip by ``multiplier``, step each sub-group, refresh persistent groups.
-        ``sum_norms`` completes Lamb's per-parameter norms over other ranks' slices."""
+        ``sum_norms`` completes Lamb's per-parameter norms over other ranks' slices, and
+        ``orthogonalize`` Muon's matrices from them."""
         if self.schedule is not None:
             self.schedule.free_idle()  # no full parameters of before the update survive it
         if self.overlap is not None:  # installs the last update, starts this one behind the next window
@@ -425,7 +428,7 @@ class ShardedState:
                 if isinstance(optimizer, Lamb):
                     self._step_by_parameter_norms(optimizer, multiplier, grads_of, sum_norms)
                 elif isinstance(optimizer, Muon):
-                    self._step_whole_matrices(optimizer, multiplier, grads_of)
+                    self._step_whole_matrices(optimizer, multiplier, grads_of, orthogonalize or orthogonalize_each)
                 else:
                     self._step_runs(optimizer, multiplier, grads_of)
         # With an NVMe tier, the heap holes that the model's full tensors left (glibc served
@@ -544,7 +547,11 @@ class ShardedState:
         regathers.finish()
 
     def _step_whole_matrices(
-        self, optimizer: Muon, multiplier: torch.Tensor, grads_of: Callable[[list[int]], list[torch.Tensor]]
+        self,
+        optimizer: Muon,
+        multiplier: torch.Tensor,
+        grads_of: Callable[[list[int]], list[torch.Tensor]],
+        orthogonalize: Orthogonalize,
     ) -> None:
         """Muon's step of ``[Note: whole matrices on shards]``: directions run by run, each
         matrix orthogonalized by its owner, then the updates run by run (each pass with the
@@ -554,23 +561,33 @@ class ShardedState:
         write = None if self.params is None else self.params.write_piece
         if self.params is not None:
             self.params.settle()
-        swapped = set() if self.swapper is None else {i for run in self.swapper.runs for i in run}
+        swapped = {} if self.swapper is None else {run[0]: k for k, run in enumerate(self.swapper.runs)}
+        in_memory = self.swapper is not None and MOMENTUM_KEY in self.swapper.in_memory_state
 
-        def step_runs(fn: Callable[[list[int]], None], runs: Sequence[list[int]]) -> None:
-            def step_and_write(run: list[int]) -> None:
-                fn(run)
-                self.masters.write_to_shards(run, write)
+        def step_runs(fn: Callable[[list[int]], None], runs: Sequence[list[int]],
+                      masters_change: Callable[[list[int]], bool]) -> None:  # fmt: skip
+            # In run order (the gradient reader reads one run ahead); a run on NVMe is swapped
+            # in unless only its momentum is needed and that stays in memory.
+            swap = [swapped[run[0]] if run[0] in swapped and (masters_change(run) or not in_memory) else None
+                    for run in runs]  # fmt: skip
+            ahead = [k for k in swap if k is not None]
+            for run, k in zip(runs, swap):
+                change = masters_change(run)
 
-            firsts = {run[0] for run in runs}
-            if self.swapper is not None:
-                order = [k for k, run in enumerate(self.swapper.runs) if run[0] in firsts]
-                self.swapper.step(optimizer, step_and_write, order)
-            for run in runs:
-                if run[0] not in swapped:
+                def step_and_write(run: list[int]) -> None:
+                    fn(run)
+                    if change:
+                        self.masters.write_to_shards(run, write)
+
+                if k is None:
                     step_and_write(run)
+                else:
+                    ahead.pop(0)
+                    self.swapper.step_one(k, optimizer, step_and_write, ahead[:1])
 
         step_muon(optimizer, self.masters, self._exchanges, self.masters.sub_groups(), step_runs,
-                  lambda run: masters_with_grads(self.masters, run, grads_of(run), multiplier), self.device)  # fmt: skip
+                  lambda run: scaled_grads(self.masters, run, grads_of(run), multiplier), self.device,
+                  orthogonalize)  # fmt: skip
         if self._ahead is not None and self.grads.listener is self._ahead:
             self._ahead.forget()  # the host step's copies ahead go unused: Muon reads the shards
             self.grads.listener = None

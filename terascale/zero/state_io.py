@@ -10,7 +10,7 @@ from NVMe where it lives there, so one run is in memory at a time).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -102,7 +102,7 @@ def sharded_slices(
             layout = st.swapper.run_layout(k)
             states = {
                 i: optimizer_state_view(optimizer, masters.masters[i], {
-                    **_scalars(optimizer.state.get(masters.masters[i], {})),
+                    **_in_memory(optimizer.state.get(masters.masters[i], {}), st.swapper.in_memory_state),
                     **{key: t for key, t in layout[i].items() if key != MASTER_KEY}})
                 for i in run
             }  # fmt: skip
@@ -130,8 +130,9 @@ def sharded_slices(
                 fg.regather()
 
 
-def _scalars(state: dict) -> dict:
-    return {key: v for key, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 0}
+def _in_memory(state: dict, keys: Collection[str]) -> dict:
+    """A swapped run's state entries that are not in its file: 0-d counters, ``keys``."""
+    return {key: v for key, v in state.items() if isinstance(v, torch.Tensor) and (v.dim() == 0 or key in keys)}
 
 
 def _run_slices(

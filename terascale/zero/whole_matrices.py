@@ -9,6 +9,9 @@ orthogonalized), so the step goes in three parts:
 1. *Directions*, run by run (each run's masters and state swapped in where they are on
    NVMe): every piece's momentum is updated and its update direction written into this
    rank's *outbox*; AdamW's pieces (embeddings, head, vectors) are stepped whole here.
+   A run of Muon's pieces only needs its momentum in this pass, not its masters; with
+   ``save_muon_momentum_buffer_in_memory`` the momentum stays in host memory out of the
+   swap files (as DeepSpeed's switch keeps it), and such a run is not read at all here.
 2. *Orthogonalization*: each matrix has one owner rank, chosen once so that every rank's
    share of the work (``rows·cols·min(rows, cols)`` a matrix) is about even; the layout
    gives every rank every other rank's range of every matrix, so one ``all_to_all`` sends
@@ -18,6 +21,8 @@ orthogonalized), so the step goes in three parts:
    matrices: less than the step's own all-gather.
 3. *Updates*, run by run: ``w ← w·(1 - lr·wd) - lr·O`` on the pieces from the returned
    parts (the runs are swapped in a second time on NVMe: their masters change only now).
+   So on NVMe a run of Muon's is read once a step with its momentum in memory, twice
+   without: the switch trades 4 bytes of host memory per Muon element for a read.
 
 The outbox is laid out by owner rank, then by matrix, then by element: a rank's part of
 a matrix is one contiguous range of the matrix's elements (a parameter is contiguous in
@@ -36,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from terascale.comm import ops
-from terascale.optim.muon import Muon, balanced_owners, matrix_cost, orthogonalized
+from terascale.optim.muon import MatrixTask, Muon, Orthogonalize, balanced_owners, matrix_cost
 from terascale.zero.flat_group import FlatParamGroup
 from terascale.zero.masters import ShardedMasters
 from terascale.zero.wrap import GroupPlan
@@ -133,9 +138,11 @@ class MatrixExchange:
     def outbox_numel(self) -> int:
         return sum(self.send_sizes)
 
-    def orthogonalize(self, outbox: torch.Tensor) -> None:
+    def orthogonalize(self, outbox: torch.Tensor, orthogonalize: Orthogonalize) -> None:
         """Replace every direction in ``outbox`` with its part of its whole matrix's
-        orthogonalized direction (collective over the process group)."""
+        orthogonalized direction (collective over the process group; ``orthogonalize``
+        runs this rank's whole matrices, collective over the tensor-parallel group where
+        they are slices: [Note: whole matrices across tensor-parallel slices])."""
         inbox = torch.empty(sum(self.recv_sizes), dtype=outbox.dtype, device=outbox.device)
         if self.world > 1:
             ops.all_to_all_single(inbox, outbox, self.recv_sizes, self.send_sizes, group=self.process_group)
@@ -144,13 +151,15 @@ class MatrixExchange:
         starts = self._starts
         steps, method = self.options
         started = time.perf_counter()
+        tasks = []
         for k in self._mine:
             m = self.matrices[k]
             whole = torch.empty(m.shape.numel(), dtype=torch.float32, device=outbox.device)
             for r in range(self.world):
                 a, b = self.held[r][k]
                 whole[a:b] = inbox[starts[r, k] : starts[r, k] + b - a]
-            done = orthogonalized(whole, m.shape, steps, method)
+            tasks.append(MatrixTask(self._groups[m.group].params[m.slot], m.shape, whole, steps, method))
+        for k, done in zip(self._mine, orthogonalize(tasks)):
             for r in range(self.world):
                 a, b = self.held[r][k]
                 inbox[starts[r, k] : starts[r, k] + b - a] = done[a:b]
@@ -184,13 +193,17 @@ def step_muon(
     masters: ShardedMasters,
     plans: Sequence[MatrixExchange],
     runs: Sequence[list[int]],
-    step_runs: Callable[[Callable[[list[int]], None], Sequence[list[int]]], None],
-    with_grads: Callable[[list[int]], object],
+    step_runs: Callable[[Callable[[list[int]], None], Sequence[list[int]], Callable[[list[int]], bool]], None],
+    grads: Callable[[list[int]], list[torch.Tensor]],
     device: torch.device,
+    orthogonalize: Orthogonalize,
 ) -> None:
-    """The three parts of the note. ``step_runs(fn, runs)`` calls ``fn(run)`` for each of
-    ``runs`` with its masters (and state) in memory; ``with_grads(run)`` is a context in
-    which the run's masters have their fp32 gradients."""
+    """The three parts of the note. ``step_runs(fn, runs, masters_change)`` calls
+    ``fn(run)`` for each of ``runs`` in order with its optimizer state in memory, and its
+    masters too where ``masters_change(run)`` (then written to the shards after);
+    ``grads(run)``: the
+    run's fp32 gradients, unscaled and clipped; ``orthogonalize`` runs an owner's whole
+    matrices."""
     tensors = masters.masters
     boxes = [torch.zeros(plan.outbox_numel, dtype=torch.float32, device=device) for plan in plans]
     parts_of: dict[int, list[tuple[int, Part]]] = {}
@@ -199,15 +212,16 @@ def step_muon(
             parts_of.setdefault(part.piece, []).append((b, part))
 
     def directions(run: list[int]) -> None:
-        with with_grads(run):
-            found = optimizer.directions([tensors[i] for i in run])
+        found = optimizer.directions([tensors[i] for i in run], grads(run))
         for i, d in zip(run, found):
             for b, part in parts_of.get(i, ()) if d is not None else ():
                 boxes[b][part.at : part.at + part.end - part.start].copy_(d[part.start : part.end])
 
-    step_runs(directions, runs)
+    # A run of Muon's pieces only changes no master in this pass: its momentum is all it needs.
+    muon = {id(p) for g in optimizer.param_groups if g["use_muon"] for p in g["params"]}
+    step_runs(directions, runs, lambda run: not all(id(tensors[i]) in muon for i in run))
     for plan, box in zip(plans, boxes):
-        plan.orthogonalize(box)
+        plan.orthogonalize(box, orthogonalize)
 
     def updates(run: list[int]) -> None:
         todo = [i for i in run if i in parts_of]
@@ -219,4 +233,4 @@ def step_muon(
             done.append(d)
         optimizer.apply_directions([tensors[i] for i in todo], done)
 
-    step_runs(updates, [run for run in runs if any(i in parts_of for i in run)])
+    step_runs(updates, [run for run in runs if any(i in parts_of for i in run)], lambda run: True)
