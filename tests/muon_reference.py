@@ -5,13 +5,16 @@ average, ``m ← βm + (1-β)g``), Nesterov's direction ``(1-β)g + βm``, five 
 Newton–Schulz iterations on the short side first, the update scaled by
 ``√max(1, rows/cols)``, decoupled weight decay; AdamW (bias-corrected, betas (0.9, 0.95),
 eps 1e-10 by default) for the parameters of fewer than two dimensions and those named ``embed`` or
-``lm_head`` (DeepSpeed's rule). Nothing of terascale's is used.
+``lm_head`` (DeepSpeed's rule). Nothing of terascale's is used. And the config the Muon
+tests train terascale with, at those settings.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+LR, ADAM_LR, WD, MOMENTUM = 0.02, 3e-3, 0.01, 0.9
 
 
 def orthogonal(g: torch.Tensor) -> torch.Tensor:
@@ -53,3 +56,19 @@ class ReferenceMuon:
                 v.mul_(0.95).add_(g * g, alpha=0.05)
                 update = (m / (1 - 0.9**t)) / ((v / (1 - 0.95**t)).sqrt() + self.eps)
                 p.mul_(1 - self.adam_lr * self.wd).sub_(self.adam_lr * update)
+
+
+def muon_config(batch: int, micro: int, stage: int, extra: dict, sub_group_size: int = 100) -> dict:
+    """terascale's config for Muon at :data:`LR` (AdamW at :data:`ADAM_LR`) and ZeRO
+    ``stage``, with small pieces (matrices in parts on several ranks) and ``extra`` in
+    ``zero_optimization`` (``"ns"`` there: the ``ns_method``)."""
+    extra = dict(extra)
+    return {
+        "train_batch_size": batch,
+        "train_micro_batch_size_per_gpu": micro,
+        "optimizer": {"type": "Muon", "params": {"lr": LR, "adam_lr": ADAM_LR, "weight_decay": WD,
+                                                  "momentum": MOMENTUM, "ns_method": extra.pop("ns", "gram")}},
+        "zero_optimization": {"stage": stage, "sub_group_size": sub_group_size, "reduce_bucket_size": 200,
+                              "stage3_param_persistence_threshold": 0, **extra},
+        "steps_per_print": 1000,
+    }  # fmt: skip

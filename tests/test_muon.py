@@ -15,11 +15,10 @@ import torch
 from torch import nn
 
 from distributed import run_ranks
-from muon_reference import ReferenceMuon, orthogonal
+from muon_reference import ADAM_LR, LR, MOMENTUM, WD, ReferenceMuon, muon_config, orthogonal
 from terascale.optim.muon import balanced_owners, muon_param_groups, newton_schulz, uses_muon
 
 STEPS, GLOBAL, VOCAB, DIM = 4, 4, 24, 16
-LR, ADAM_LR, WD, MOMENTUM = 0.02, 3e-3, 0.01, 0.9
 MATRIX_NUMEL = 3 * DIM * DIM + 3 * DIM * DIM + DIM * DIM  # up, down, mix
 
 
@@ -62,15 +61,7 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def config(world: int, stage: int, extra: dict) -> dict:
-    return {
-        "train_batch_size": GLOBAL,
-        "train_micro_batch_size_per_gpu": GLOBAL // world,
-        "optimizer": {"type": "Muon", "params": {"lr": LR, "adam_lr": ADAM_LR, "weight_decay": WD,
-                                                  "momentum": MOMENTUM, "ns_method": extra.pop("ns", "gram")}},
-        "zero_optimization": {"stage": stage, "sub_group_size": 100, "reduce_bucket_size": 200,
-                              "stage3_param_persistence_threshold": 0, **extra},
-        "steps_per_print": 1000,
-    }  # fmt: skip
+    return muon_config(GLOBAL, GLOBAL // world, stage, extra)
 
 
 def train(world: int, cases: list[tuple[int, dict]], steps: range = range(STEPS), load: str | None = None,
@@ -225,6 +216,43 @@ def train_published(world: int, configs: list[dict]) -> list:
                     engine.global_steps, sorted(k for k in before if not torch.equal(before[k], after[k].to(before[k])))))  # fmt: skip
         engine.destroy()
     return out
+
+
+def _frozen_and_lrs(world: int) -> list:
+    """DeepSpeed's Muon cases of partly frozen models and learning rates, as its unit tests
+    pose them (tests/unit/ops/muon/test_muon_partial_training.py): each kind's lr as the
+    engine's optimizer has it, and whether a step trains only what is trainable."""
+    import terascale
+
+    out = []
+    cases = [({"lr": 0.02, "weight_decay": 0.01}, ("up", "down", "mix", "lm_head")),  # only AdamW's left
+             ({"lr": 0.02, "weight_decay": 0.01}, ("up",)),
+             ({"lr": 0.02, "muon_lr": 0.04, "adam_lr": 0.001, "weight_decay": 0.01}, ())]  # fmt: skip
+    ids, labels = data()
+    for params, frozen in cases:
+        torch.manual_seed(0)
+        net = Net()
+        for name, p in net.named_parameters():
+            p.requires_grad = not name.startswith(frozen)
+        before = {k: v.clone() for k, v in net.state_dict().items()}
+        config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Muon", "params": params},
+                  "zero_optimization": {"stage": 2}}  # fmt: skip
+        engine, *_ = terascale.initialize(model=net, model_parameters=net.parameters(), config=config)
+        lrs = {g["use_muon"]: g["lr"] for g in engine.basic_optimizer.param_groups}
+        engine.backward(engine(ids[0, :1], labels[0, :1]))
+        engine.step()
+        after = engine.full_state_dict()
+        moved = {k.rsplit(".", 1)[0] for k in before if not torch.equal(before[k], after[k])}
+        out.append((lrs, sorted(moved)))
+        engine.destroy()
+    return out
+
+
+def test_muon_with_frozen_parameters_and_each_kinds_lr_as_deepspeeds_tests_pose_them() -> None:
+    (only_adam, both, overrides), _ = run_ranks(_frozen_and_lrs, 2, 2)
+    assert only_adam == ({False: 0.02}, ["embed", "norm"])  # no Muon group at all: nothing to orthogonalize
+    assert both == ({True: 0.02, False: 0.02}, ["down", "embed", "lm_head", "mix", "norm"])
+    assert overrides[0] == {True: 0.04, False: 0.001}
 
 
 def test_published_muon_configs_train_unchanged() -> None:

@@ -14,22 +14,10 @@ from __future__ import annotations
 import torch
 
 from distributed import run_ranks
-from muon_reference import ReferenceMuon
+from muon_reference import ADAM_LR, LR, MOMENTUM, WD, ReferenceMuon, muon_config
 from tp_model import TPNet, make_batches
 
 STEPS, MICRO = 3, 2
-LR, ADAM_LR, WD, MOMENTUM = 0.02, 3e-3, 0.01, 0.9
-
-
-def _config(stage: int, dp: int, extra: dict) -> dict:
-    return {
-        "train_batch_size": MICRO * dp, "train_micro_batch_size_per_gpu": MICRO,
-        "optimizer": {"type": "Muon", "params": {"lr": LR, "adam_lr": ADAM_LR, "weight_decay": WD,
-                                                  "momentum": MOMENTUM, "ns_method": extra.pop("ns", "gram")}},
-        "zero_optimization": {"stage": stage, "sub_group_size": 40, "reduce_bucket_size": 200,
-                              "stage3_param_persistence_threshold": 0, **extra},
-        "steps_per_print": 1000,
-    }  # fmt: skip
 
 
 def _reference(dp: int, ids: torch.Tensor, labels: torch.Tensor) -> tuple[list, dict]:
@@ -62,8 +50,8 @@ def _train_rank(tp: int, cases: list[tuple[int, dict]]) -> list[tuple]:
     out = []
     for stage, extra in cases:
         torch.manual_seed(0)
-        engine, *_ = terascale.initialize(model=TPNet(topo.group("tp")), config=_config(stage, dp, dict(extra)),
-                                          mpu=topo.mpu())  # fmt: skip
+        config = muon_config(MICRO * dp, MICRO, stage, extra, sub_group_size=40)
+        engine, *_ = terascale.initialize(model=TPNet(topo.group("tp")), config=config, mpu=topo.mpu())
         rows = slice(dp_rank * MICRO, (dp_rank + 1) * MICRO)
         losses = []
         for step in range(STEPS):
@@ -113,8 +101,7 @@ def _reshard_rank(folder: str) -> dict:
         topo = Topology(tp=tp)
         dp, dp_rank = topo.size("dp"), topo.rank("dp")
         micro = MICRO // dp
-        config = _config(zero.pop("stage"), dp, zero)
-        config["train_micro_batch_size_per_gpu"], config["train_batch_size"] = micro, MICRO
+        config = muon_config(MICRO, micro, zero.pop("stage"), zero, sub_group_size=40)
         torch.manual_seed(1234 if step else 0)  # resumed: loading must overwrite every weight
         engine, *_ = terascale.initialize(model=TPNet(topo.group("tp") if tp > 1 else None), config=config,
                                           mpu=topo.mpu())  # fmt: skip

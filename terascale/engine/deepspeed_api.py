@@ -238,6 +238,11 @@ class DeepSpeedEngineAPI:
     def optimizer_params(self: Engine) -> dict | None:
         return None if self.config.optimizer is None else dict(self.config.optimizer.params)
 
+    @property
+    def basic_optimizer(self: Engine) -> Any:
+        """The optimizer itself, under the engine's handle (DeepSpeed's name; None forward-only)."""
+        return self.optimizer
+
     def scheduler_name(self: Engine) -> str | None:
         return None if self.config.scheduler is None else self.config.scheduler.type
 

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from terascale.config import Config
+from terascale.engine.autocast import scales_loss
 from terascale.engine.model_state import ModelState, adopt_optimizer
 from terascale.engine.parallel import ParallelLayout
 from terascale.errors import UsageError
@@ -172,7 +173,7 @@ def step_in_backward(
         )
     if not config.managed_gradient_accumulation:
         reasons.append("managed_gradient_accumulation false: a window's last backward is known only at engine.step()")
-    if config.fp16.enabled or (config.torch_autocast.enabled and config.torch_autocast.dtype in (None, "fp16")):
+    if scales_loss(config, layout.dist.device):  # fp16, or an fp16 autocast
         reasons.append("fp16 checks the gradients for overflow after backward and skips the step if any; use bf16")
     if config.bf16.enabled and config.bf16.check_grad_overflow:
         reasons.append("bf16.check_grad_overflow skips the step after backward if a gradient is not finite")

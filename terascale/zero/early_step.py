@@ -159,7 +159,7 @@ class EarlyStep:
                 self._needed[g] = self._needed.get(g, 0) + 1
         self._multiplier = self._begin()
         self._options = _options(self.optimizer)
-        self._step_run = self.state._run_stepper(self.optimizer, self._multiplier, self._grads_of)
+        self._step_run = self.state.stepping.run_stepper(self.optimizer, self._multiplier, self._grads_of)
         self.armed = True
         self.state.grads.listener = self
         if self.state.params is not None:
@@ -260,8 +260,8 @@ class EarlyStep:
             while self._queue:
                 self._step_next()
             rest = [run for r, run in enumerate(self.runs) if r not in self._done]
-            with self.state._run_grads(rest) as grads_of:
-                self.state._step_runs(self.optimizer, multiplier, grads_of, runs=rest, step_number=self._step_run.step_number)
+            with self.state.stepping.run_grads(rest) as grads_of:
+                self.state.stepping.runs(self.optimizer, multiplier, grads_of, runs=rest, step_number=self._step_run.step_number)
         finally:
             self._disarm()
 

@@ -15,7 +15,6 @@ parameter shards; persistent groups are then all-gathered back to full.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -30,14 +29,11 @@ from terascale.comm.collectives import global_grad_sq_norm
 from terascale.errors import UsageError
 from terascale.offload import AsyncIO, OptimizerOffload, host_adam
 from terascale.offload.aio import IoActivity, io_traffic
-from terascale.offload.grads import GradSwapper
-from terascale.offload.optimizer import OptimizerSwapper
 from terascale.offload.params import OffloadedParams
 from terascale.offload.policy import ParamOffload, can_pin_memory
-from terascale.offload.swap import SwapDirectory
 from terascale.offload.transfer import GradientsAhead, HostStepTransfers
 from terascale.optim.lamb import Lamb
-from terascale.optim.muon import MOMENTUM_KEY, Muon, Orthogonalize, orthogonalize_each
+from terascale.optim.muon import Muon, Orthogonalize
 from terascale.optim.rounding import StochasticRounding
 from terascale.zero.flat_group import FlatParamGroup, FullBuffers, ShardState, keeps_full_buffers
 from terascale.zero.gather import owner_of, register_owner, unregister
@@ -50,12 +46,12 @@ from terascale.zero.host import (
     return_freed_host_memory,
     reuse_large_allocations,
 )
-from terascale.zero.masters import NVME_RUN_SPLIT_NUMEL, RUN_SPLIT_NUMEL, MasterPrecision, ShardedMasters
-from terascale.zero.optimizers import Segments, SumNorms, check_shardable
-from terascale.zero.whole_matrices import MatrixExchange, exchanges, step_muon
+from terascale.zero.masters import MasterPrecision, ShardedMasters
+from terascale.zero.optimizers import SumNorms, check_shardable
 from terascale.zero.overlap_step import OverlappedStep
-from terascale.zero.run_step import Regathers, RunStep, masters_with_grads, scaled_grads
 from terascale.zero.schedule import ParamSchedule, SchedulePolicy
+from terascale.zero.sharded_step import ShardedStep
+from terascale.zero.tiers import grad_swapper, place_masters
 from terascale.zero.state_io import sharded_grad_slices, sharded_slices
 from terascale.zero.wrap import GroupPlan, WrapPolicy, plan_groups
 from terascale.zero.zeropp import ZeroPPComm, ZeroPPPolicy
@@ -201,10 +197,11 @@ class ShardedState:
         # Trainable parameters numbered in module order, the same on every rank: the rows of
         # the per-parameter norms of [Note: optimizers on shards].
         trainable = [p for p in module.parameters() if id(p) in opt_group_of]
-        self._trainable = trainable
-        self._param_number = {id(p): k for k, p in enumerate(trainable)}
-        self._param_opt_group = [opt_group_of[id(p)] for p in trainable]
-        self.masters, self.swapper = self._place_masters(options.offload_optimizer)
+        self.trainable = trainable
+        self.param_number = {id(p): k for k, p in enumerate(trainable)}
+        self.param_opt_group = [opt_group_of[id(p)] for p in trainable]
+        self.masters, self.swapper = place_masters(self.plans, self.groups, options, device, self.swap_io,
+                                                   self._create_masters)  # fmt: skip
         low = options.masters.low and options.masters.stochastic_rounding
         chunk = max((host_adam.chunk_numel_for(m.device) for m in self.masters.masters), default=0)
         elements = sum(fg.layout.numel for fg in self.groups)  # the same at every layout
@@ -231,7 +228,7 @@ class ShardedState:
             channels[id(group)],
             options.grads,
             on_group_done=None if self.schedule is None else self.schedule.on_grads_done,
-            swapper=self._grad_swapper(options),
+            swapper=grad_swapper(self.plans, self.groups, options, self.masters, self.swapper, self.swap_io),
             reduce_groups=[channels[id(pg)] for pg in plan_pgs],
             comm_dtypes=[c.dtype if isinstance(c, ReducedIn) else None for c in plan_classes],
             quantized=None if self.zeropp is None or self.zeropp.nodes is None else QuantizedReduce(
@@ -239,7 +236,7 @@ class ShardedState:
         )
         # [Note: the host step's transfers]: gradient shards kept in memory go down under
         # the window's last backward, run by run as they become final.
-        self._ahead = (
+        self.ahead = (
             GradientsAhead(self._transfers, self._host_runs(), [(p.group, p.lo, p.hi) for p in self.masters.pieces])
             if self._transfers is not None and self.grads.swapper is None
             else None
@@ -250,13 +247,14 @@ class ShardedState:
         # [Note: the overlapped host step]: the update runs behind the next window.
         # The step reads one window's gradient files while the next window writes the
         # other set (where the gradients go to disk).
-        second = None if self.grads.swapper is None or not overlap else self._grad_swapper(options, "grads_next")
+        second = (None if self.grads.swapper is None or not overlap
+                  else grad_swapper(self.plans, self.groups, options, self.masters, self.swapper, self.swap_io, "grads_next"))  # fmt: skip
         self.overlap = OverlappedStep(self, second, options.offload_optimizer.overlap_step_warmup) if overlap else None
         # DeepSpeed's optimizer.parameter_offload ([Note: the parameter coordinator TRL reads]).
         self.parameter_offload = ParameterOffload(module) if options.stage == 3 else None
         # Steps after which freed host pages go back to the OS (doubling): see step().
         self._steps, self._next_trim = 0, 1 if nvme else 0
-        self._exchanges: list[MatrixExchange] | None = None  # Muon's, made at its first step
+        self.stepping = ShardedStep(self)  # the optimizer step over the masters
 
     @property
     def host_transfers(self) -> HostStepTransfers | None:
@@ -278,59 +276,6 @@ class ShardedState:
             + (0 if self.params is None else self.params.nbytes_on_disk())
             + (0 if grads is None else sum(grads.shard_numel) * grads.dtype.itemsize)
         )
-
-    def _place_masters(self, tier: OptimizerOffload) -> tuple[ShardedMasters, OptimizerSwapper | None]:
-        """Masters (fp32, or bf16: [Note: bf16 masters and optimizer states]) on the
-        optimizer's tier; the first ``tier.ratio`` of the runs there, the rest with the
-        parameter shards (see [Note: optimizer swapping])."""
-        host = torch.device("cpu")
-        masters = ShardedMasters(
-            self.plans,
-            self.groups,
-            self.options.masters.dtype,
-            self.options.sub_group_size,
-            device=host if tier.enabled else None,
-            # Masters that alias a shard would move (or vanish) with it.
-            # So would the overlapped step's updates, under the next window ([Note: the
-            # overlapped host step]).
-            share_storage=tier.device != "nvme" and not self.options.offload_param.enabled and not tier.overlap_step,
-            create=False,
-            run_split_numel=NVME_RUN_SPLIT_NUMEL if tier.device == "nvme" else RUN_SPLIT_NUMEL,
-        )
-        total = sum(p.hi - p.lo for p in masters.pieces)
-        offloaded, numel = [], 0
-        for run in masters.runs:
-            if tier.enabled and numel < tier.ratio * total:
-                offloaded.append(run)
-                numel += sum(masters.pieces[i].hi - masters.pieces[i].lo for i in run)
-            else:  # no offload, or beyond the ratio: with the parameter shards
-                self._create_masters(masters, run, device=self.device)
-        if tier.device != "nvme":
-            for run in offloaded:
-                self._create_masters(masters, run)
-            return masters, None
-        directory = SwapDirectory(tier.nvme_path, "optimizer", dist.get_rank())
-        swapper = OptimizerSwapper(
-            masters, offloaded, directory, self.swap_io, tier.buffer_count, pin_memory=tier.pin_memory,
-            create_run=lambda run: self._create_masters(masters, run), state_bytes=tier.state_bytes,
-            in_memory_state=tier.in_memory_state,
-        )  # fmt: skip
-        return masters, swapper
-
-    def _grad_swapper(self, options: ZeroOptions, kind: str = "grads") -> GradSwapper | None:
-        """Gradient shards on NVMe when the optimizer state is there (stages 2-3) and they
-        outgrow its buffers (see [Note: gradient swapping])."""
-        tier = options.offload_optimizer
-        if tier.device != "nvme" or not options.grads.reduce_every_micro_step:
-            return None
-        numel = [fg.layout.shard_numel if any(k >= 0 for k in plan.opt_group) else 0
-                 for plan, fg in zip(self.plans, self.groups)]  # fmt: skip
-        pieces = self.masters.pieces
-        largest_run = max((sum(pieces[i].hi - pieces[i].lo for i in run) for run in self.swapper.runs), default=0)
-        if sum(numel) <= tier.buffer_count * largest_run:
-            return None
-        directory = SwapDirectory(tier.nvme_path, kind, dist.get_rank())
-        return GradSwapper(numel, options.grads.dtype, directory, self.swap_io, pin_memory=tier.pin_memory)
 
     def _create_masters(self, masters: ShardedMasters, run: list[int], device: torch.device | None = None) -> None:
         """Make run ``run``'s masters from its parameter shards, read back if on NVMe."""
@@ -356,9 +301,9 @@ class ShardedState:
     def prepare_backward(self, sync: bool, defer: bool = False) -> None:
         self.grads.prepare_backward(sync, defer)
         order = self.early.arm(self.grads.scope) if sync and self.early is not None else None
-        if sync and self._ahead is not None and self.grads.listener in (None, self._ahead):
-            self._ahead.arm()
-            self.grads.listener = self._ahead
+        if sync and self.ahead is not None and self.grads.listener in (None, self.ahead):
+            self.ahead.arm()
+            self.grads.listener = self.ahead
         if self.overlap is not None:  # the swap files are the background step's
             self.overlap.before_backward()
         elif sync and self.swapper is not None:
@@ -424,13 +369,7 @@ class ShardedState:
         elif self.early is not None and self.early.armed:  # most runs were stepped in backward
             self.early.finish(multiplier)
         else:
-            with self._run_grads() as grads_of:
-                if isinstance(optimizer, Lamb):
-                    self._step_by_parameter_norms(optimizer, multiplier, grads_of, sum_norms)
-                elif isinstance(optimizer, Muon):
-                    self._step_whole_matrices(optimizer, multiplier, grads_of, orthogonalize or orthogonalize_each)
-                else:
-                    self._step_runs(optimizer, multiplier, grads_of)
+            self.stepping(optimizer, multiplier, sum_norms, orthogonalize)
         # With an NVMe tier, the heap holes that the model's full tensors left (glibc served
         # them from its heap before the engine fixed the mmap threshold) fill with the first
         # steps' small transients, each page touched once then kept: 190 MiB, 16% of the peak,
@@ -447,191 +386,11 @@ class ShardedState:
         for fg in self.groups:
             fg.invalidate_secondary()
 
-    def _step_runs(
-        self,
-        optimizer: torch.optim.Optimizer,
-        multiplier: torch.Tensor,
-        grads_of: Callable[[list[int]], list[torch.Tensor]],
-        runs: Sequence[list[int]] | None = None,
-        step_number: int | None = None,
-    ) -> None:
-        """Step each run (of ``runs``; default: all) with its gradients ``grads_of(run)``,
-        writing the new values into the parameter shards and re-gathering persistent groups
-        behind it. Given ``runs``, the others were stepped under backward ([Note: the
-        optimizer step under backward]): nothing of theirs is settled or stepped again, and
-        ``step_number`` is the step those took (:class:`RunStep`)."""
-        if self.params is not None and runs is None:
-            self.params.settle()
-        step_run = self._run_stepper(optimizer, multiplier, grads_of, step_number)
-
-        # Runs go in group order (offloaded runs are the first ones); each group's
-        # all-gather starts as soon as its last run is done, under the next runs' updates.
-        regathers = Regathers(self.groups, self.options.allgather_bucket_numel)
-
-        def step_and_regather(run: list[int]) -> None:
-            step_run(run)
-            regathers.launch_before(self.masters.pieces[run[-1]].group)
-
-        todo = {run[0] for run in (self.masters.runs if runs is None else runs)}  # runs are disjoint
-        swapped = set() if self.swapper is None else {i for run in self.swapper.runs for i in run}
-        order = [] if self.swapper is None else [k for k, run in enumerate(self.swapper.runs) if run[0] in todo]
-        resident = [run for run in self.masters.sub_groups() if run[0] not in swapped and run[0] in todo]
-        if self._transfers is not None:  # [Note: the host step's transfers]: in stepping order
-            self._transfers.begin([self.swapper.runs[k] for k in order] + resident, grads_of)
-        try:
-            if self.swapper is not None:
-                self.swapper.step(optimizer, step_and_regather, order)
-            for run in resident:
-                step_and_regather(run)
-        finally:
-            if self._transfers is not None:
-                self._transfers.finish()
-            if self._ahead is not None and self.grads.listener is self._ahead:
-                self.grads.listener = None  # armed again by the next window's last backward
-        if self.params is not None:
-            self.params.finish_step()
-        regathers.finish()
-
-    def _run_stepper(
-        self,
-        optimizer: torch.optim.Optimizer,
-        multiplier: torch.Tensor,
-        grads_of: Callable[[list[int]], list[torch.Tensor]],
-        step_number: int | None = None,
-    ) -> RunStep:
-        """``step_run(run)``: one optimizer call over run ``run`` (its masters swapped in, if
-        on NVMe) with gradients ``grads_of(run) × multiplier``, and its new values written
-        into the parameter shards (or their tier): :class:`terascale.zero.run_step.RunStep`."""
-        return RunStep(
-            self.masters, optimizer, multiplier, grads_of,
-            write=None if self.params is None else self.params.write_piece,
-            offloaded=self.options.offload_optimizer.enabled,
-            precision=self.options.masters,
-            rounding=self.rounding,
-            transfers=self._transfers,
-            step_number=step_number,
-        )  # fmt: skip
-
-    def _step_by_parameter_norms(
-        self,
-        optimizer: Lamb,
-        multiplier: torch.Tensor,
-        grads_of: Callable[[list[int]], list[torch.Tensor]],
-        sum_norms: SumNorms | None,
-    ) -> None:
-        """The two-pass step of ``[Note: optimizers on shards]``: moments and partial norms
-        run by run, one all-reduce of the norms (and ``sum_norms`` over tensor-parallel
-        slices), then the updates with whole-parameter trust ratios, each group
-        all-gathered as its last run is done."""
-        segments = self._segments
-        masters = self.masters.masters
-        write = None if self.params is None else self.params.write_piece
-        if self.params is not None:
-            self.params.settle()
-        rows = torch.zeros(segments.num_params, 2, dtype=torch.float32, device=self.device)
-        runs = self.masters.sub_groups()
-        for run in runs:
-            with masters_with_grads(self.masters, run, grads_of(run), multiplier):
-                optimizer.accumulate_norms([masters[i] for i in run], [segments.of[i] for i in run], rows)
-        segments.reduce(rows)
-        if sum_norms is not None:
-            sum_norms(rows, self._trainable)
-        regathers = Regathers(self.groups, self.options.allgather_bucket_numel)
-        for k, run in enumerate(runs):
-            with ops.named_range("terascale::optimizer run", k):
-                optimizer.apply_norms([masters[i] for i in run], [segments.of[i] for i in run], rows, self._param_opt_group)
-            self.masters.write_to_shards(run, write)
-            regathers.launch_before(self.masters.pieces[run[-1]].group)
-        if self.params is not None:
-            self.params.finish_step()
-        regathers.finish()
-
-    def _step_whole_matrices(
-        self,
-        optimizer: Muon,
-        multiplier: torch.Tensor,
-        grads_of: Callable[[list[int]], list[torch.Tensor]],
-        orthogonalize: Orthogonalize,
-    ) -> None:
-        """Muon's step of ``[Note: whole matrices on shards]``: directions run by run, each
-        matrix orthogonalized by its owner, then the updates run by run (each pass with the
-        runs' masters and state swapped in where they live on NVMe)."""
-        if self._exchanges is None:
-            self._exchanges = exchanges(self.plans, self.groups, self.masters, optimizer)
-        write = None if self.params is None else self.params.write_piece
-        if self.params is not None:
-            self.params.settle()
-        swapped = {} if self.swapper is None else {run[0]: k for k, run in enumerate(self.swapper.runs)}
-        in_memory = self.swapper is not None and MOMENTUM_KEY in self.swapper.in_memory_state
-
-        def step_runs(fn: Callable[[list[int]], None], runs: Sequence[list[int]],
-                      masters_change: Callable[[list[int]], bool]) -> None:  # fmt: skip
-            # In run order (the gradient reader reads one run ahead); a run on NVMe is swapped
-            # in unless only its momentum is needed and that stays in memory.
-            swap = [swapped[run[0]] if run[0] in swapped and (masters_change(run) or not in_memory) else None
-                    for run in runs]  # fmt: skip
-            ahead = [k for k in swap if k is not None]
-            for run, k in zip(runs, swap):
-                change = masters_change(run)
-
-                def step_and_write(run: list[int]) -> None:
-                    fn(run)
-                    if change:
-                        self.masters.write_to_shards(run, write)
-
-                if k is None:
-                    step_and_write(run)
-                else:
-                    ahead.pop(0)
-                    self.swapper.step_one(k, optimizer, step_and_write, ahead[:1])
-
-        step_muon(optimizer, self.masters, self._exchanges, self.masters.sub_groups(), step_runs,
-                  lambda run: scaled_grads(self.masters, run, grads_of(run), multiplier), self.device,
-                  orthogonalize)  # fmt: skip
-        if self._ahead is not None and self.grads.listener is self._ahead:
-            self._ahead.forget()  # the host step's copies ahead go unused: Muon reads the shards
-            self.grads.listener = None
-        if self.params is not None:
-            self.params.finish_step()
-        Regathers(self.groups, self.options.allgather_bucket_numel).finish()
-
     @property
     def orthogonalize_seconds(self) -> float:
         """Muon: the seconds this rank spent orthogonalizing its matrices in the last step
         (its owner's share, [Note: whole matrices on shards]); 0 for other optimizers."""
-        return sum(plan.seconds for plan in self._exchanges or ())
-
-    @functools.cached_property
-    def _segments(self) -> Segments:
-        """Where each parameter lies in this rank's master pieces (fixed by the layout)."""
-        apart: dict[int, tuple[ProcessGroup, list[int]]] = {}
-        for fg in self.groups:
-            if fg.group is not self.group:
-                numbers = [self._param_number[id(p)] for p in fg.params if id(p) in self._param_number]
-                apart.setdefault(id(fg.group), (fg.group, []))[1].extend(numbers)
-        return Segments(
-            self.masters.segments(self._param_number), len(self._param_number), self.group,
-            tuple((pg, tuple(sorted(n))) for pg, n in apart.values() if n),
-        )  # fmt: skip
-
-    @contextlib.contextmanager
-    def _run_grads(self, runs: Sequence[list[int]] | None = None) -> Iterator[Callable[[list[int]], list[torch.Tensor]]]:
-        """``run -> its pieces' gradients`` for the duration of a step (over ``runs``, in
-        that order; default: all runs); from swap files, read one run ahead."""
-        swapper = self.grads.swapper
-        runs = self.masters.runs if runs is None else runs
-        if swapper is None:
-            pieces = self.masters.grad_pieces(self.grads.shards)
-            yield lambda run: [pieces[i] for i in run]
-            return
-        index = {run[0]: k for k, run in enumerate(runs)}  # runs are disjoint
-        reader = swapper.reader(
-            [[(p.group, p.lo, p.hi) for p in (self.masters.pieces[i] for i in run)] for run in runs]
-        )
-        try:
-            yield lambda run: reader.get(index[run[0]])
-        finally:
-            reader.close()
+        return self.stepping.orthogonalize_seconds
 
     def settle(self) -> None:
         """Finish and install an update still running behind the training ([Note: the
@@ -648,8 +407,8 @@ class ShardedState:
     def _forget_ahead(self) -> None:
         """The gradients may change after backward: the copies made ahead are dropped, and
         the step copies them again ([Note: the host step's transfers])."""
-        if self._ahead is not None:
-            self._ahead.forget()
+        if self.ahead is not None:
+            self.ahead.forget()
 
     def zero_grad(self) -> None:
         dropped_mid_step = None if self.early is None else self.early.abandon()
