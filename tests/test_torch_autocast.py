@@ -40,18 +40,20 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(STEPS, WORLD * MICRO, 12, generator=g), torch.randint(0, 5, (STEPS, WORLD * MICRO), generator=g)
 
 
-def reference(dtype: torch.dtype, low_comm: bool, loss_scale: float = 1.0) -> tuple[list[float], dict]:
+def reference(dtype: torch.dtype, low_comm: bool, loss_scale: float = 1.0,
+              loss_outside: bool = False) -> tuple[list[float], dict]:  # fmt: skip
+    """``loss_outside``: the loss on the autocast logits, after the autocast region."""
     # One thread, as each rank: a low-precision matmul's rounding depends on how its sums
     # are split between threads.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _reference(dtype, low_comm, loss_scale)
+        return _reference(dtype, low_comm, loss_scale, loss_outside)
     finally:
         torch.set_num_threads(threads)
 
 
-def _reference(dtype: torch.dtype, low_comm: bool, loss_scale: float) -> tuple[list[float], dict]:
+def _reference(dtype: torch.dtype, low_comm: bool, loss_scale: float, loss_outside: bool) -> tuple[list[float], dict]:
     model = net()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     x, y = data()
@@ -61,8 +63,11 @@ def _reference(dtype: torch.dtype, low_comm: bool, loss_scale: float) -> tuple[l
         grads, step_losses = [], []
         for r in range(WORLD):
             model.zero_grad()
+            xr, yr = x[s, r * MICRO : (r + 1) * MICRO], y[s, r * MICRO : (r + 1) * MICRO]
             with torch.autocast("cpu", dtype=dtype):
-                loss = model(x[s, r * MICRO : (r + 1) * MICRO], y[s, r * MICRO : (r + 1) * MICRO])
+                loss = model.body(xr) if loss_outside else model(xr, yr)
+            if loss_outside:
+                loss = nn.functional.cross_entropy(loss, yr)
             (loss.float() * loss_scale).backward()
             grads.append([p.grad.clone() / loss_scale for p in model.parameters()])
             step_losses.append(float(loss.detach()))
@@ -134,3 +139,42 @@ def test_lower_precision_safe_modules_reduce_their_gradients_in_bf16() -> None:
     # averaged in bf16 over the ranks, the LayerNorm's in fp32.
     cases = [(stage, {"dtype": "bfloat16"}) for stage in (0, 2, 3)]
     _check(cases, [reference(torch.bfloat16, low_comm=True)] * len(cases))
+
+
+def _pipe_rank() -> tuple[list[float], dict]:
+    """Net's body as a two-stage pipeline (its loss the pipeline's loss_fn) under bf16 autocast."""
+    import terascale
+    from terascale.parallel import Topology
+    from terascale.pipe import LayerSpec, PipelineModule
+
+    topo = Topology(pp=2)
+    torch.manual_seed(0)
+    body = net().body
+    specs = [LayerSpec(nn.Linear, 12, 32), LayerSpec(nn.GELU), LayerSpec(nn.LayerNorm, 32), LayerSpec(nn.Linear, 32, 5)]
+    model = PipelineModule(specs, topology=topo, loss_fn=nn.functional.cross_entropy, partition_method="uniform")
+    model.load_state_dict({k: body.state_dict()[k] for k in model.state_dict()})  # the layer indices are the same
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": WORLD, "steps_per_print": 1000,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+              "torch_autocast": {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}}  # fmt: skip
+    engine, *_ = terascale.initialize(model=model, config=config)
+    x, y = data()
+    losses = []
+    for s in range(STEPS):  # the two micro-batches are the reference's two ranks' batches
+        batches = [(x[s, r * MICRO : (r + 1) * MICRO], y[s, r * MICRO : (r + 1) * MICRO]) for r in range(WORLD)]
+        losses.append(float(engine.train_batch(iter(batches))))
+    state = {f"body.{k}": v for k, v in engine.full_state_dict().items()}
+    engine.destroy()
+    return losses, state
+
+
+def test_a_pipelines_stages_compute_under_autocast() -> None:
+    # Each stage's layers run under the engine's autocast; the loss_fn, as a loss outside the
+    # model's forward, runs on the last stage's bf16 logits outside it, and so does the reference's.
+    ref_losses, ref_state = reference(torch.bfloat16, low_comm=False, loss_outside=True)
+    held = set()
+    for losses, state in run_ranks(_pipe_rank, WORLD):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        for k, v in state.items():  # each stage holds its own layers
+            torch.testing.assert_close(v, ref_state[k], rtol=1e-5, atol=1e-6, msg=k)
+        held |= set(state)
+    assert held == set(ref_state), held
