@@ -183,12 +183,16 @@ def test_muon_state_resumes_exactly_on_another_world_size_and_stage(tmp_path) ->
             torch.testing.assert_close(result[1][k], v, rtol=1e-5, atol=2e-6, msg=f"world {world}: {k}")
 
 
-# Published configs, as their authors wrote them: the finetune demo's z2_muon.json
-# (delock/deepspeed_finetune_demo) and the config of DeepSpeed's tests/unit/ops/muon
+# Published configs, as their authors wrote them: the finetune demo's z2_muon.json and
+# z3_muon.json (delock/deepspeed_finetune_demo) and the config of DeepSpeed's tests/unit/ops/muon
 # (fp16, ZeRO-3 with host offload and its momentum-in-memory switch).
 Z2_MUON = {"train_batch_size": 8, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
            "optimizer": {"type": "Muon", "params": {"lr": 2e-5, "betas": [0.9, 0.999], "eps": 1e-8,
                                                     "weight_decay": 0.01}},
+           "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True}
+Z3_MUON = {"train_batch_size": 8, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
+           "optimizer": {"type": "Muon", "params": {"muon_lr": 1e-3, "adam_lr": 2e-5, "momentum": 0.95,
+                                                    "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}},
            "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True}
 DS_UNIT = {"train_batch_size": 8, "optimizer": {"type": "muon", "params": {"lr": 0.01}}, "gradient_clipping": 1.0,
            "fp16": {"enabled": True},
@@ -256,6 +260,6 @@ def test_muon_with_frozen_parameters_and_each_kinds_lr_as_deepspeeds_tests_pose_
 
 
 def test_published_muon_configs_train_unchanged() -> None:
-    for muon, kinds, steps, changed in run_ranks(train_published, 2, 2, [Z2_MUON, DS_UNIT])[0]:
+    for muon, kinds, steps, changed in run_ranks(train_published, 2, 2, [Z2_MUON, Z3_MUON, DS_UNIT])[0]:
         assert muon and kinds == [False, True] and steps == 3
         assert "up.weight" in changed and "embed.weight" in changed and "lm_head.weight" in changed, changed
