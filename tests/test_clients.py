@@ -27,12 +27,14 @@ ROOT = Path(__file__).resolve().parent.parent
 CLIENTS = Path(__file__).resolve().parent / "clients"
 
 
-def run(script: str, *args: str, timeout: float = 240.0) -> None:
-    """``terascale run --nproc 2 tests/clients/SCRIPT ARGS`` (ranks on the CPU unless there is a GPU each)."""
+def run(script: str, *args: str, timeout: float = 240.0, as_deepspeed: bool = False) -> None:
+    """``terascale run --nproc 2 tests/clients/SCRIPT ARGS`` (ranks on the CPU unless there is a GPU each;
+    ``as_deepspeed``: the script's ``import deepspeed`` is terascale)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     if torch.cuda.device_count() < 2:
         env["TERASCALE_DEVICE"] = "cpu"
-    proc = subprocess.run([sys.executable, "-m", "terascale", "run", "--nproc", "2", str(CLIENTS / script), *args],
+    launcher = ["--as-deepspeed"] if as_deepspeed else []
+    proc = subprocess.run([sys.executable, "-m", "terascale", "run", *launcher, "--nproc", "2", str(CLIENTS / script), *args],
                           env=env, capture_output=True, text=True, timeout=timeout, cwd=CLIENTS)
     assert proc.returncode == 0, f"{script} {' '.join(args)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
@@ -127,3 +129,19 @@ def test_hugging_face_model_saved_with_the_16bit_state_dict(tmp_path):
     assert record["keys"] == record["bin_keys"] and record["dtype"] == "torch.bfloat16"
     assert record["reloaded_max_diff"] == 0.0 and record["bin_max_diff"] == 0.0
 
+
+# The finetune demo's z3_muon.json, as published (its train_batch_size is the script's to set).
+Z3_MUON = {"train_batch_size": 8, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
+           "optimizer": {"type": "Muon", "params": {"muon_lr": 1e-3, "adam_lr": 2e-5, "momentum": 0.95,
+                                                    "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}},
+           "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True}
+
+
+def test_the_muon_finetune_demo_trains_a_hugging_face_model_with_its_published_config(tmp_path):
+    path = tmp_path / "z3_muon.json"
+    path.write_text(json.dumps(Z3_MUON))
+    run("finetune_muon_style.py", "--deepspeed_config", str(path), "--out", str(tmp_path), as_deepspeed=True)
+    record = result(tmp_path)
+    assert record["optimizer"] == "Muon"
+    assert sorted((g["use_muon"], g["lr"]) for g in record["groups"]) == [(False, 2e-5), (True, 1e-3)]
+    assert record["after"] < record["before"] and record["losses"][-1] < record["losses"][0], record

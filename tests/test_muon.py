@@ -73,9 +73,12 @@ def train(world: int, cases: list[tuple[int, dict]], steps: range = range(STEPS)
     rank, micro = int(os.environ["RANK"]), GLOBAL // world
     out = []
     for stage, extra in cases:
+        extra = dict(extra)
         torch.manual_seed(0)
-        net = Net()
-        engine, optimizer, _, _ = terascale.initialize(model=net, config=config(world, stage, dict(extra)),
+        # Built under zero.Init: the matrices are partitioned before Muon picks its own by shape.
+        with terascale.zero.Init(config=config(world, stage, {}), enabled=extra.pop("zero_init", False)):
+            net = Net()
+        engine, optimizer, _, _ = terascale.initialize(model=net, config=config(world, stage, extra),
                                                        wrap_policy=WrapPolicy(module_classes=(nn.Linear,)))  # fmt: skip
         if load is not None:
             engine.load_checkpoint(load)
@@ -122,7 +125,7 @@ def _check(world: int, cases: list[tuple[int, dict]], results: list) -> None:
 
 def test_muon_matches_the_reference_at_every_stage_and_tier_on_two_ranks(tmp_path) -> None:
     nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
-    cases = [(0, {"ns": "standard"}), (1, {}), (2, {}), (3, {"ns": "standard"}),
+    cases = [(0, {"ns": "standard"}), (1, {}), (2, {}), (3, {"ns": "standard", "zero_init": True}),
              (2, {"offload_optimizer": {"device": "cpu"}}), (3, {"offload_optimizer": nvme}),
              (2, {"offload_optimizer": nvme, "save_muon_momentum_buffer_in_memory": True})]  # fmt: skip
     _check(2, cases, run_ranks(train, 2, 2, cases))

@@ -62,6 +62,7 @@ from terascale.optim.muon import muon_param_groups
 from terascale.parallel.sequence.model import TilePolicy, apply_sequence_parallel
 from terascale.parallel.tensor import auto_tp
 from terascale.zero import ShardedState, WrapPolicy, ZeroOptions
+from terascale.zero.gather import full_shape
 from terascale.zero.grads import GradPolicy
 from terascale.zero.masters import MasterPrecision
 from terascale.zero.leaf import set_z3_leaf_modules, set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix
@@ -142,7 +143,8 @@ def prepare_model(
         [] if forward_only(config, optimizer) else user_param_groups(module, optimizer, model_parameters, sliced)
     )
     if config.optimizer is not None and config.optimizer.type.lower() == "muon":
-        param_groups = muon_param_groups(module, param_groups)  # which are Muon's: before ZeRO lays them out
+        # Which are Muon's, by their full shapes (a zero.Init holds them partitioned): before ZeRO lays them out.
+        param_groups = muon_param_groups(module, param_groups, full_shape)
     if isinstance(optimizer, torch.optim.Optimizer):  # the user's groups stand: DeepSpeed's rule for them
         check_expert_param_groups(param_groups, experts, config.zero_optimization.stage)
     else:

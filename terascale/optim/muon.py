@@ -22,6 +22,7 @@ terascale's ``nesterov`` and ``ns_steps``. Which parameters are Muon's: DeepSpee
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,13 +45,20 @@ _NOT_MUON = ("embed", "lm_head")
 MOMENTUM_KEY = "momentum_buffer"  # a Muon tensor's state
 
 
-def uses_muon(name: str, param: torch.Tensor) -> bool:
+def uses_muon(name: str, param: torch.Tensor, shape: Sequence[int] | None = None) -> bool:
     """DeepSpeed's rule: Muon steps the parameters of two or more dimensions whose names
-    contain neither ``embed`` nor ``lm_head``; AdamW the rest."""
-    return param.ndim >= 2 and not any(word in name.lower() for word in _NOT_MUON)
+    contain neither ``embed`` nor ``lm_head``; AdamW the rest. ``shape``: the parameter's
+    full shape where its own is not (partitioned by a ``zero.Init``)."""
+    ndim = param.ndim if shape is None else len(shape)
+    return ndim >= 2 and not any(word in name.lower() for word in _NOT_MUON)
 
 
-def muon_param_groups(module: nn.Module, groups: Sequence[dict]) -> list[dict]:
+# ``shape_of(param)``: a parameter's full shape (ZeRO's ``full_shape`` where a zero.Init may
+# hold it partitioned); default its own.
+ShapeOf = Callable[[torch.Tensor], Sequence[int]]
+
+
+def muon_param_groups(module: nn.Module, groups: Sequence[dict], shape_of: ShapeOf | None = None) -> list[dict]:
     """Split each of ``groups`` (dicts over ``module``'s parameters) into its Muon part and
     its AdamW part, each marked ``use_muon`` (a group that already says is kept whole).
 
@@ -61,7 +69,7 @@ def muon_param_groups(module: nn.Module, groups: Sequence[dict]) -> list[dict]:
     tables = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
 
     def muon(p: torch.Tensor) -> bool:
-        return id(p) not in tables and uses_muon(names.get(id(p), ""), p)
+        return id(p) not in tables and uses_muon(names.get(id(p), ""), p, None if shape_of is None else shape_of(p))
 
     out = []
     for group in groups:
@@ -76,11 +84,13 @@ def muon_param_groups(module: nn.Module, groups: Sequence[dict]) -> list[dict]:
     return out
 
 
-def muon_share(module: nn.Module) -> float:
+def muon_share(module: nn.Module, shape_of: ShapeOf | None = None) -> float:
     """The share of ``module``'s trained elements that Muon steps (:func:`muon_param_groups`'
     rule); the rest are AdamW's. Sizes Muon's state: one buffer on this share, two on the rest."""
-    groups = muon_param_groups(module, [{"params": [p for p in module.parameters() if p.requires_grad]}])
-    numel = {use: sum(p.numel() for g in groups if g["use_muon"] == use for p in g["params"]) for use in (True, False)}
+    shape_of = shape_of or (lambda p: p.shape)
+    groups = muon_param_groups(module, [{"params": [p for p in module.parameters() if p.requires_grad]}], shape_of)
+    numel = {use: sum(math.prod(shape_of(p)) for g in groups if g["use_muon"] == use for p in g["params"])
+             for use in (True, False)}  # fmt: skip
     total = numel[True] + numel[False]
     return numel[True] / total if total else 0.0
 

@@ -35,6 +35,7 @@ from terascale.plan.memory import Knobs, Part, Shape, predict, totals
 from terascale.plan.profile import ModelProfile
 from terascale.plan.timing import StepTime, step_time
 from terascale.zero.estimate import optimizer_state_bytes
+from terascale.zero.gather import full_shape
 
 PLANNED = PLANNED_KEYS
 OFFLOAD_ORDER = {("none", "none"): 0, ("cpu", "none"): 1, ("cpu", "cpu"): 2, ("nvme", "none"): 3,
@@ -107,7 +108,7 @@ def knobs_from_config(cfg: Any, model: nn.Module | None = None) -> Knobs:
         max_in_cpu=_max_in_cpu(cfg),
         accum_bytes=None if accum is None else {"fp32": 4, "fp16": 2, "bf16": 2}[accum],
         state_bytes=optimizer_state_bytes(name, opt.params if opt is not None else None,
-                                          1.0 if model is None else muon_share(model)) / (2 if bf16.states_in_bf16 else 1),
+                                          1.0 if model is None else muon_share(model, full_shape)) / (2 if bf16.states_in_bf16 else 1),
         master_bytes=2 if bf16.masters_in_bf16 else 4,
         optimizer=name,
         early_step=_early_step(cfg, name),

@@ -36,6 +36,7 @@ from typing import Any
 from torch import nn
 
 from terascale.optim.muon import muon_share
+from terascale.zero.gather import full_shape
 
 _GIB = 2**30
 MASTER_BYTES = 4  # the fp32 master copy of each parameter the optimizer steps
@@ -164,7 +165,7 @@ def estimate_memory(
         raise ValueError(f"the number of parameters must be positive, got {psi}")
     largest = largest_layer_params or largest or psi // 10
     n = world
-    share = muon_share(model_or_num_params) if isinstance(model_or_num_params, nn.Module) else 1.0
+    share = muon_share(model_or_num_params, full_shape) if isinstance(model_or_num_params, nn.Module) else 1.0
     state = optimizer_state_bytes(optimizer, optimizer_params, share)
     zero = model_state_bytes(psi, n, 0, state_bytes=state)
     out = [MemoryEstimate(0, "none", "none", zero.total, 0, 0, 0)]

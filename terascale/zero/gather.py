@@ -44,11 +44,16 @@ def owner_of(param: nn.Parameter) -> ParamOwner | None:
     return _OWNERS.get(param)
 
 
-def full_numel(param: nn.Parameter) -> int:
-    """Elements of ``param``'s full value, also while an owner (a ``zero.Init``) holds it
-    partitioned and ``param.numel()`` is 0."""
+def full_shape(param: nn.Parameter) -> torch.Size:
+    """The shape of ``param``'s full value, also while an owner (a ``zero.Init``) holds it
+    partitioned and ``param.shape`` is empty."""
     shape_of = getattr(owner_of(param), "shape_of", None)
-    return param.numel() if shape_of is None else shape_of(param).numel()
+    return param.shape if shape_of is None else shape_of(param)
+
+
+def full_numel(param: nn.Parameter) -> int:
+    """Elements of ``param``'s full value (see :func:`full_shape`)."""
+    return full_shape(param).numel()
 
 
 class GatheredParameters:

@@ -36,7 +36,7 @@ from terascale.optim.lamb import Lamb
 from terascale.optim.muon import Muon, Orthogonalize
 from terascale.optim.rounding import StochasticRounding
 from terascale.zero.flat_group import FlatParamGroup, FullBuffers, ShardState, keeps_full_buffers
-from terascale.zero.gather import owner_of, register_owner, unregister
+from terascale.zero.gather import full_shape, owner_of, register_owner, unregister
 from terascale.zero.param_attributes import ParameterOffload, Partition, expose, group_partition, withdraw
 from terascale.zero.early_step import EarlyStep
 from terascale.zero.grads import GradPolicy, QuantizedReduce, ShardedGrads
@@ -171,7 +171,7 @@ class ShardedState:
                 device=device,
                 persistent=plan.persistent,
                 init_values=lambda i, p: _initial_value(p),
-                shapes=[_initial_shape(p) for p in plan.params],
+                shapes=[full_shape(p) for p in plan.params],
                 index=len(self.groups),
                 buffers=self.full_buffers,
                 quant=None if zpp is None else zpp.weight_quant,
@@ -646,11 +646,6 @@ class ShardedState:
         withdraw([p for fg in self.groups for p in fg.params])
         if self.schedule is not None:
             self.schedule.remove_hooks()
-
-
-def _initial_shape(param: nn.Parameter) -> torch.Size:
-    shape_of = getattr(owner_of(param), "shape_of", None)
-    return param.shape if shape_of is None else shape_of(param)
 
 
 def _initial_value(param: nn.Parameter) -> torch.Tensor:
