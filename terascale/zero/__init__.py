@@ -24,7 +24,8 @@ from terascale.zero.leaf import (
     unset_z3_leaf_modules,
     z3_leaf_module,
 )
-from terascale.zero.sharded import ShardedState, ZeroOptions
+from terascale.zero.options import ZeroOptions
+from terascale.zero.sharded import ShardedState
 from terascale.zero.tiling import TiledLinear, tile_linears
 from terascale.zero.wrap import GroupPlan, WrapPolicy
 

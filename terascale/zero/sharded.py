@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,58 +27,35 @@ from terascale.checkpoint.spans import OptimKey, ParamInfo, Slice, SliceMode
 from terascale.comm import all_gather_flat, duplicate_group, ops
 from terascale.comm.collectives import global_grad_sq_norm
 from terascale.errors import UsageError
-from terascale.offload import AsyncIO, OptimizerOffload, host_adam
+from terascale.offload import AsyncIO, host_adam
 from terascale.offload.aio import IoActivity, io_traffic
 from terascale.offload.params import OffloadedParams
-from terascale.offload.policy import ParamOffload, can_pin_memory
+from terascale.offload.policy import can_pin_memory
 from terascale.offload.transfer import GradientsAhead, HostStepTransfers
 from terascale.optim.lamb import Lamb
 from terascale.optim.muon import Muon, Orthogonalize
 from terascale.optim.rounding import StochasticRounding
 from terascale.zero.flat_group import FlatParamGroup, FullBuffers, ShardState, keeps_full_buffers
 from terascale.zero.gather import full_shape, owner_of, register_owner, unregister
-from terascale.zero.param_attributes import ParameterOffload, Partition, expose, group_partition, withdraw
 from terascale.zero.early_step import EarlyStep
-from terascale.zero.grads import GradPolicy, QuantizedReduce, ShardedGrads
+from terascale.zero.grads import QuantizedReduce, ShardedGrads
 from terascale.zero.host import (
     BOUNDED_HOST_MIN_NVME_BYTES,
     map_large_allocations,
     return_freed_host_memory,
     reuse_large_allocations,
 )
-from terascale.zero.masters import MasterPrecision, ShardedMasters
+from terascale.zero.masters import ShardedMasters
 from terascale.zero.optimizers import SumNorms, check_shardable
+from terascale.zero.options import ZeroOptions
 from terascale.zero.overlap_step import OverlappedStep
-from terascale.zero.schedule import ParamSchedule, SchedulePolicy
+from terascale.zero.param_attributes import ParameterOffload, Partition, expose, group_partition, withdraw
+from terascale.zero.schedule import ParamSchedule
 from terascale.zero.sharded_step import ShardedStep
-from terascale.zero.tiers import grad_swapper, place_masters
 from terascale.zero.state_io import sharded_grad_slices, sharded_slices
-from terascale.zero.wrap import GroupPlan, WrapPolicy, plan_groups
-from terascale.zero.zeropp import ZeroPPComm, ZeroPPPolicy
-
-
-@dataclass(frozen=True)
-class ZeroOptions:
-    """Everything a stage means, as data (the engine builds it from ``zero_optimization``:
-    ``terascale.engine.prepare.zero_options``)."""
-
-    stage: int
-    grads: GradPolicy
-    wrap: WrapPolicy = field(default_factory=WrapPolicy)
-    schedule: SchedulePolicy = field(default_factory=SchedulePolicy)
-    persistence_threshold: int = 100_000
-    sub_group_size: int = 1_000_000_000
-    allgather_bucket_numel: int = 500_000_000
-    offload_optimizer: OptimizerOffload = field(default_factory=OptimizerOffload)
-    offload_param: ParamOffload = field(default_factory=ParamOffload)
-    allow_untested_optimizer: bool = False  # zero_allow_untested_optimizer
-    zeropp: ZeroPPPolicy = field(default_factory=ZeroPPPolicy)
-    masters: MasterPrecision = field(default_factory=MasterPrecision)  # bf16 masters / optimizer states
-
-    def __post_init__(self) -> None:
-        assert self.stage in (1, 2, 3), self.stage
-        assert self.stage == 3 or not self.offload_param.enabled, "parameter offload needs stage 3"
-        assert self.stage == 3 or not self.zeropp.enabled, "ZeRO++ needs stage 3"
+from terascale.zero.tiers import grad_swapper, place_masters
+from terascale.zero.wrap import GroupPlan, plan_groups
+from terascale.zero.zeropp import ZeroPPComm
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ buffers ([Note: gradient swapping]).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,10 +20,8 @@ from terascale.offload.optimizer import OptimizerSwapper
 from terascale.offload.swap import SwapDirectory
 from terascale.zero.flat_group import FlatParamGroup
 from terascale.zero.masters import NVME_RUN_SPLIT_NUMEL, RUN_SPLIT_NUMEL, ShardedMasters
+from terascale.zero.options import ZeroOptions
 from terascale.zero.wrap import GroupPlan
-
-if TYPE_CHECKING:
-    from terascale.zero.sharded import ZeroOptions
 
 # create(masters, run, device): make run's masters from its parameter shards on device
 # (None: the masters' own), reading the shards back where they are on NVMe.
