@@ -47,6 +47,32 @@ def test_tiled_mlp_equals_the_whole_sequence_and_each_parameter_gets_one_gradien
     assert "forward" not in vars(mlp)
 
 
+def test_a_tiles_recompute_runs_under_the_autocast_its_forward_ran_under():
+    # torch_autocast covers the engine's forward; the tiles are recomputed in backward,
+    # outside it, and must compute in the same dtype (as torch.utils.checkpoint does).
+    from terascale.activation.tiled import tiled
+
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    seen = []
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return lin(t)
+
+    x = torch.randn(2, 6, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = tiled(fn, x, params=list(lin.parameters()), tiles=2)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert seen == [True] * 4  # two tiles in forward, two recomputed
+    want = torch.autograd.grad(lin(x.detach().to(torch.bfloat16).float()).sum(), lin.weight)[0]
+    torch.testing.assert_close(lin.weight.grad, want, rtol=2e-2, atol=2e-2)
+    seen.clear()
+    tiled(fn, x, params=list(lin.parameters()), tiles=2).sum().backward()
+    assert seen == [False] * 4  # and without autocast, none
+
+
 def test_tiled_cross_entropy_is_the_summed_loss_without_whole_logits():
     torch.manual_seed(0)
     hidden = torch.randn(2, 9, 8, requires_grad=True)

@@ -38,6 +38,9 @@ class _Tiled(torch.autograd.Function):
         # Parameters are held, not saved: ZeRO-3 frees and re-gathers their storage
         # between forward and backward ([Note: tiled compute]).
         ctx.params = params
+        # The recompute runs as the forward ran: under its autocast (torch_autocast), if any.
+        kind = x.device.type
+        ctx.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
         ctx.save_for_backward(x)
         with torch.no_grad():
             outs = [fn(xt, *et) for xt, et in _tile(x, extra, tiles, dim)]
@@ -54,7 +57,8 @@ class _Tiled(torch.autograd.Function):
         offset = 0
         for (xt, et), gt in zip(_tile(x, ctx.extra, ctx.tiles, ctx.dim), grads):
             xt = xt.detach().requires_grad_(x_grad is not None)
-            with torch.enable_grad():
+            kind, enabled, dtype = ctx.autocast
+            with torch.enable_grad(), torch.autocast(kind, dtype=dtype, enabled=enabled):
                 out = ctx.fn(xt, *et)
             inputs = ([xt] if x_grad is not None else []) + wanted
             got = torch.autograd.grad(out, inputs, gt, allow_unused=True) if inputs else ()
