@@ -27,6 +27,7 @@ which is why the classes below go to the model state's group plan.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -75,7 +76,6 @@ class ParallelLayout:
 
     dist: DistributedContext
     slices: dict[str, TensorSlice] = field(default_factory=dict)  # model_slices(), found once
-    sliced: frozenset[int] = frozenset()  # ids of the parameters named in ``slices``
     slice_of: dict[int, TensorSlice] = field(default_factory=dict)  # ``slices`` by parameter id
     skip: frozenset[int] = frozenset()
     ties: tuple[Tie, ...] = ()
@@ -101,18 +101,18 @@ class ParallelLayout:
                 if not tie.owner:
                     skip.add(id(p))
         slice_of = {id(p): slices[name] for name, p in module.named_parameters() if name in slices}
-        return ParallelLayout(dist_ctx, slices, frozenset(slice_of), slice_of, frozenset(skip), ties, classes, experts)
+        return ParallelLayout(dist_ctx, slices, slice_of, frozenset(skip), ties, classes, experts)
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse what would step tensor-parallel slices wrongly: Lamb's own gradient
         clipping takes the norm of what this rank holds; the engine's is the model's."""
-        if isinstance(optimizer, Lamb) and self.sliced and optimizer.clips:
+        if isinstance(optimizer, Lamb) and self.slice_of and optimizer.clips:
             raise ValueError(
                 "Lamb(max_grad_norm=...) with tensor parallelism clips by the norm of this rank's slices; "
                 "set max_grad_norm=0 and the config's gradient_clipping, which clips by the whole model's norm"
             )
 
-    @property
+    @functools.cached_property
     def orthogonalize(self) -> Orthogonalize | None:
         """Muon's orthogonalization of whole matrices from their tensor-parallel slices
         ([Note: whole matrices across tensor-parallel slices]); None without tensor
@@ -125,14 +125,14 @@ class ParallelLayout:
     @property
     def sum_norms(self) -> SumNorms | None:
         """Lamb's per-parameter norm completion for tensor-parallel slices (None without any)."""
-        return self._sum_sliced_norms if self.sliced else None
+        return self._sum_sliced_norms if self.slice_of else None
 
     def _sum_sliced_norms(self, rows: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
         """Sum ``rows[k]`` over the tensor-parallel group where ``params[k]`` is a slice, in
         place: each tensor-parallel rank holds its own slice of the same parameter, so the
         summed squares are the whole parameter's. Rows of parameters every tensor-parallel
         rank holds in full stay. Collective over the tensor-parallel group."""
-        index = [k for k, p in enumerate(params) if id(p) in self.sliced]
+        index = [k for k, p in enumerate(params) if id(p) in self.slice_of]
         if not index:  # the same on every tensor-parallel rank: they hold the same parameters
             return
         at = torch.tensor(index, device=rows.device)

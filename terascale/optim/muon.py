@@ -23,7 +23,7 @@ terascale's ``nesterov`` and ``ns_steps``. Which parameters are Muon's: DeepSpee
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -215,19 +215,23 @@ class Muon(torch.optim.Optimizer):
 
     # -- the parts every layout shares --------------------------------------------------
 
-    def _group_of(self) -> dict[int, dict]:
+    def group_of(self) -> dict[int, dict]:
+        """Each parameter's group, by ``id`` (a caller stepping many runs makes it once)."""
         return {id(p): g for g in self.param_groups for p in g["params"]}
 
     @torch.no_grad()
     def directions(
-        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None = None
+        self,
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor] | None = None,
+        group_of: Mapping[int, dict] | None = None,
     ) -> list[torch.Tensor | None]:
         """For each of ``params`` and its gradient (``grads``, default each ``.grad``): a
         Muon tensor's momentum is updated and its update direction before
         orthogonalization returned (Nesterov's, by default); an AdamW tensor is stepped
         whole, and None returned for it. A Muon tensor's own values are not read (they
-        may be swapped out: [Note: whole matrices on shards])."""
-        group_of = self._group_of()
+        may be swapped out: [Note: whole matrices on shards]). ``group_of``: :meth:`group_of`."""
+        group_of = group_of or self.group_of()
         out: list[torch.Tensor | None] = []
         for k, p in enumerate(params):
             group = group_of[id(p)]
@@ -249,10 +253,11 @@ class Muon(torch.optim.Optimizer):
         return out
 
     @torch.no_grad()
-    def apply_directions(self, params: Sequence[torch.Tensor], directions: Sequence[torch.Tensor | None]) -> None:
+    def apply_directions(self, params: Sequence[torch.Tensor], directions: Sequence[torch.Tensor | None],
+                         group_of: Mapping[int, dict] | None = None) -> None:  # fmt: skip
         """``p ← p·(1 - lr·wd) - lr·d`` for each Muon tensor of ``params`` and its
-        orthogonalized direction ``d`` (None: nothing to do)."""
-        group_of = self._group_of()
+        orthogonalized direction ``d`` (None: nothing to do). ``group_of``: :meth:`group_of`."""
+        group_of = group_of or self.group_of()
         for p, d in zip(params, directions):
             if d is None:
                 continue
@@ -304,7 +309,7 @@ class Muon(torch.optim.Optimizer):
                     "matrices; at ZeRO stages the engine gives it whole matrices itself (use its config 'optimizer' "
                     "section, or mark 1-d parameters use_muon=False)"
                 )
-        group_of = self._group_of()
+        group_of = self.group_of()
         tasks = [MatrixTask(p, p.shape, d, *_options(group_of[id(p)])) for p, d in todo]
         run = orthogonalize or orthogonalize_each
         world = 1 if self.group is None or not dist.is_initialized() else dist.get_world_size(self.group)

@@ -29,13 +29,11 @@ from typing import Any
 from torch import nn
 
 from terascale.config.auto import PLANNED_KEYS
-from terascale.optim.muon import muon_share
 from terascale.plan.machine import Machine
 from terascale.plan.memory import Knobs, Part, Shape, predict, totals
 from terascale.plan.profile import ModelProfile
 from terascale.plan.timing import StepTime, step_time
 from terascale.zero.estimate import optimizer_state_bytes
-from terascale.zero.gather import full_shape
 
 PLANNED = PLANNED_KEYS
 OFFLOAD_ORDER = {("none", "none"): 0, ("cpu", "none"): 1, ("cpu", "cpu"): 2, ("nvme", "none"): 3,
@@ -107,8 +105,8 @@ def knobs_from_config(cfg: Any, model: nn.Module | None = None) -> Knobs:
         param_buffers=zero.offload_param.buffer_count if zero.offload_param else 5,
         max_in_cpu=_max_in_cpu(cfg),
         accum_bytes=None if accum is None else {"fp32": 4, "fp16": 2, "bf16": 2}[accum],
-        state_bytes=optimizer_state_bytes(name, opt.params if opt is not None else None,
-                                          1.0 if model is None else muon_share(model, full_shape)) / (2 if bf16.states_in_bf16 else 1),
+        state_bytes=optimizer_state_bytes(name, opt.params if opt is not None else None, model)
+        / (2 if bf16.states_in_bf16 else 1),
         master_bytes=2 if bf16.masters_in_bf16 else 4,
         optimizer=name,
         early_step=_early_step(cfg, name),

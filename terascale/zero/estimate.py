@@ -50,17 +50,18 @@ _COMPACT = ("adam8bit", "adamw8bit")
 
 
 def optimizer_state_bytes(optimizer_type: str | None = "Adam", params: Mapping[str, Any] | None = None,
-                          muon_share: float = 1.0) -> float:  # fmt: skip
+                          model: nn.Module | None = None) -> float:  # fmt: skip
     """Bytes of optimizer state per parameter besides the fp32 master, for the optimizer
     ``optimizer_type`` (a config's ``optimizer.type``, or a torch optimizer's class name)
     with ``params`` (its config ``params``): Adam 8, 8-bit Adam 2 + 8/block_size (2.03),
-    SGD 4 with momentum and 0 without, Muon 4 on the ``muon_share`` of the elements it
-    steps and 8 (AdamW's) on the rest (``terascale.optim.muon.muon_share`` of a model).
-    An unknown or missing type counts as Adam."""
+    SGD 4 with momentum and 0 without, Muon 4 on the share of ``model``'s elements it
+    steps and 8 (AdamW's) on the rest (``terascale.optim.muon.muon_share``; all of them
+    without a model). An unknown or missing type counts as Adam."""
     key = (optimizer_type or "adam").lower()
     params = params or {}
     if key == "muon":
-        return 4.0 * muon_share + 8.0 * (1.0 - muon_share)
+        share = 1.0 if model is None else muon_share(model, full_shape)
+        return 4.0 * share + 8.0 * (1.0 - share)
     if key in _COMPACT:
         block = int(params.get("block_size", 256) or 256)
         return 2.0 + 2 * 4.0 / block  # one byte per moment, an fp32 absmax per block of each
@@ -165,8 +166,8 @@ def estimate_memory(
         raise ValueError(f"the number of parameters must be positive, got {psi}")
     largest = largest_layer_params or largest or psi // 10
     n = world
-    share = muon_share(model_or_num_params, full_shape) if isinstance(model_or_num_params, nn.Module) else 1.0
-    state = optimizer_state_bytes(optimizer, optimizer_params, share)
+    model = model_or_num_params if isinstance(model_or_num_params, nn.Module) else None
+    state = optimizer_state_bytes(optimizer, optimizer_params, model)
     zero = model_state_bytes(psi, n, 0, state_bytes=state)
     out = [MemoryEstimate(0, "none", "none", zero.total, 0, 0, 0)]
     for stage in (1, 2, 3):

@@ -177,22 +177,22 @@ class ShardedStep:
                       masters_change: Callable[[list[int]], bool]) -> None:  # fmt: skip
             # In run order (the gradient reader reads one run ahead); a run on NVMe is swapped
             # in unless only its momentum is needed and that stays in memory.
-            swap = [swapped[run[0]] if run[0] in swapped and (masters_change(run) or not in_memory) else None
-                    for run in runs]  # fmt: skip
+            changes = [masters_change(run) for run in runs]
+            swap = [swapped[run[0]] if run[0] in swapped and (change or not in_memory) else None
+                    for run, change in zip(runs, changes)]  # fmt: skip
             ahead = [k for k in swap if k is not None]
-            for run, k in zip(runs, swap):
-                change = masters_change(run)
 
-                def step_and_write(run: list[int]) -> None:
-                    fn(run)
-                    if change:
-                        st.masters.write_to_shards(run, write)
+            def step_and_write(run: list[int]) -> None:
+                fn(run)
+                st.masters.write_to_shards(run, write)
 
+            for run, k, change in zip(runs, swap, changes):
+                step_run = step_and_write if change else fn
                 if k is None:
-                    step_and_write(run)
+                    step_run(run)
                 else:
                     ahead.pop(0)
-                    st.swapper.step_one(k, optimizer, step_and_write, ahead[:1])
+                    st.swapper.step_one(k, optimizer, step_run, ahead[:1])
 
         step_muon(optimizer, st.masters, self._exchanges, st.masters.sub_groups(), step_runs,
                   lambda run: scaled_grads(st.masters, run, grads_of(run), multiplier), st.device,

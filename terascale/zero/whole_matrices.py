@@ -201,10 +201,10 @@ def step_muon(
     """The three parts of the note. ``step_runs(fn, runs, masters_change)`` calls
     ``fn(run)`` for each of ``runs`` in order with its optimizer state in memory, and its
     masters too where ``masters_change(run)`` (then written to the shards after);
-    ``grads(run)``: the
-    run's fp32 gradients, unscaled and clipped; ``orthogonalize`` runs an owner's whole
-    matrices."""
+    ``grads(run)``: the run's fp32 gradients, unscaled and clipped; ``orthogonalize`` runs
+    an owner's whole matrices."""
     tensors = masters.masters
+    group_of = optimizer.group_of()  # once a step: every run's pass looks its pieces up
     boxes = [torch.zeros(plan.outbox_numel, dtype=torch.float32, device=device) for plan in plans]
     parts_of: dict[int, list[tuple[int, Part]]] = {}
     for b, plan in enumerate(plans):
@@ -212,14 +212,13 @@ def step_muon(
             parts_of.setdefault(part.piece, []).append((b, part))
 
     def directions(run: list[int]) -> None:
-        found = optimizer.directions([tensors[i] for i in run], grads(run))
+        found = optimizer.directions([tensors[i] for i in run], grads(run), group_of)
         for i, d in zip(run, found):
             for b, part in parts_of.get(i, ()) if d is not None else ():
                 boxes[b][part.at : part.at + part.end - part.start].copy_(d[part.start : part.end])
 
     # A run of Muon's pieces only changes no master in this pass: its momentum is all it needs.
-    muon = {id(p) for g in optimizer.param_groups if g["use_muon"] for p in g["params"]}
-    step_runs(directions, runs, lambda run: not all(id(tensors[i]) in muon for i in run))
+    step_runs(directions, runs, lambda run: not all(group_of[id(tensors[i])]["use_muon"] for i in run))
     for plan, box in zip(plans, boxes):
         plan.orthogonalize(box, orthogonalize)
 
@@ -231,6 +230,6 @@ def step_muon(
             for b, part in parts_of[i]:
                 d[part.start : part.end] = boxes[b][part.at : part.at + part.end - part.start]
             done.append(d)
-        optimizer.apply_directions([tensors[i] for i in todo], done)
+        optimizer.apply_directions([tensors[i] for i in todo], done, group_of)
 
     step_runs(updates, [run for run in runs if any(i in parts_of for i in run)], lambda run: True)
